@@ -1,0 +1,178 @@
+"""
+The GRPO family of objectives as pure functions on tensors: group advantages, importance ratios, the clipped
+(or CISPO) surrogate, the KL regulariser and the aggregation over tokens. No model, no I/O; the trainer calls
+group_advantages once per batch of rollouts and grpo_loss once per micro-batch.
+
+Notation: completion i of a group of G, token t. logp = log pi_theta(token), old_logp from the policy that sampled
+(pi_old), ref_logp from the frozen reference, mask = 1 on tokens that count, A_i the advantage of completion i,
+r = exp(logp - old_logp). Everything here is a loss (the negated objective). Where each paper's equation lives:
+
+  DeepSeekMath GRPO (Shao et al. 2024)
+    A_i = (R_i - mean(R)) / std(R) over the group               group_advantages(scale_rewards="group")
+    min(r A, clip(r, 1-eps, 1+eps) A)                           grpo_loss: the `surrogate == "clip"` line
+    - beta KL, KL = pi_ref/pi - log(pi_ref/pi) - 1               kl_divergence(estimator="k3"), added per token
+    1/G sum_i 1/|o_i| sum_t                                      loss_type="grpo"
+  DAPO (Yu et al. 2025)
+    clip-higher: eps_low=0.2, eps_high=0.28                      epsilon_low, epsilon_high
+    token-level 1/sum_i|o_i| sum_i sum_t                         loss_type="dapo"
+  Dr. GRPO (Liu et al. 2025)
+    A_i = R_i - mean(R), no std                                  group_advantages(scale_rewards="none")
+    divide by a constant, not by |o_i|                           loss_type="dr_grpo"
+  GSPO (Zheng et al. 2025)
+    s_i = (pi(o_i) / pi_old(o_i))^(1/|o_i|), clipped like r      importance_sampling_level="sequence"
+  CISPO (MiniMax-M1, 2025)
+    -sg(min(r, eps_high)) A logp: clip the IS weight, not the    surrogate="cispo"
+    update, so clipped tokens still get a gradient
+  Dual clip (Ye et al. 2020; verl's clip_ratio_c)
+    with A < 0, cap r at delta so one stale token with a huge    delta
+    ratio cannot dominate the step
+
+Where the KL goes. The GRPO paper adds beta * KL to the loss, per token, instead of subtracting it from the reward
+as PPO for RLHF does. That keeps the advantage a pure group-relative reward signal (a penalty folded into the
+reward would be centred and divided by the group's std along with it, and spread evenly over every token of the
+sequence), and the regulariser gets its own exact per-token gradient. The PPO placement is still one line in the
+trainer (kl_in_reward=True): rewards = rewards - beta * (kl_divergence(...) * mask).sum(-1), computed without
+gradient before group_advantages, after which grpo_loss runs with beta=0.
+
+Micro-batching contract. An optimizer step may span many micro-batches on many ranks. grpo_loss returns this
+micro-batch's share of the whole step's objective: summing the gradients of every micro-batch on every rank gives
+exactly the gradient of the step objective, provided num_sequences and num_tokens count the whole step (they
+default to this micro-batch's, i.e. one micro-batch per step). DDP averages gradients over ranks, so the trainer
+multiplies the loss by world_size before backward.
+"""
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of: {', '.join(choices)}")
+
+
+def _mean_std(x, valid):
+    """Mean and sample (n-1) std over the valid entries of the last dim; the std is 0 with fewer than 2 entries."""
+    n = valid.sum(-1, keepdim=True)
+    mean = torch.where(valid, x, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)
+    var = (torch.where(valid, x - mean, 0.0) ** 2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)
+    return mean, var.sqrt()
+
+
+def _masked_mean(x, valid):
+    """Mean of x over the valid entries; 0 (not NaN) when there are none."""
+    return torch.where(valid, x, 0).sum() / valid.sum().clamp(min=1)
+
+
+def group_advantages(rewards, num_generations, scale_rewards="group"):
+    """
+    rewards: (B,) float, groups are contiguous blocks of num_generations rows; NaN marks a reward that does not
+    apply, which is left out of its group's statistics and gets advantage 0. scale_rewards divides by the
+    sample std of the "group" (DeepSeekMath), of the whole "batch" (steadier when G is small), or "none" (Dr. GRPO:
+    the std division over-weights groups that are almost all right or all wrong). Returns (B,) advantages.
+    """
+    _check_choice("scale_rewards", scale_rewards, ("group", "batch", "none"))
+    B, G = rewards.shape[0], num_generations
+    if G < 1 or B % G:
+        raise ValueError(f"{B} rewards do not split into groups of num_generations={G}; B must be a multiple of G")
+    valid = ~torch.isnan(rewards.view(-1, G))  # (B/G, G)
+    r = torch.where(valid, rewards.view(-1, G), 0.0)  # (B/G, G)
+    mean, std = _mean_std(r, valid)  # (B/G, 1) each
+    if scale_rewards == "batch":
+        std = _mean_std(r.view(1, -1), valid.view(1, -1))[1]  # (1, 1)
+    advantages = r - mean  # (B/G, G)
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)  # +1e-4: a group with no spread gets 0, not 0/0
+    return torch.where(valid, advantages, 0.0).view(-1)
+
+
+def kl_divergence(logps, ref_logps, estimator="k3"):
+    """
+    Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by the policy, (B, T) -> (B, T), with
+    Schulman's estimators (http://joschu.net/blog/kl-approx.html). Used as a loss on on-policy samples their
+    expected gradients differ: k1's is zero, k2's is that of KL(pi_theta || pi_ref), k3's that of KL(pi_ref || pi_theta).
+    """
+    _check_choice("kl_estimator", estimator, ("k1", "k2", "k3"))
+    log_ratio = (ref_logps - logps).clamp(-20.0, 20.0)  # log(pi_ref / pi_theta); clamped so exp cannot overflow
+    if estimator == "k1":
+        return -log_ratio  # unbiased, but noisy and often negative
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2  # biased, low variance
+    return torch.exp(log_ratio) - log_ratio - 1  # unbiased and >= 0: the GRPO paper's choice
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo", beta=0.0, epsilon_low=0.2,
+              epsilon_high=0.2, delta=None, surrogate="clip", importance_sampling_level="token", kl_estimator="k3",
+              max_completion_length=None, num_sequences=None, num_tokens=None):
+    """
+    logps, old_logps, ref_logps, mask: (B, T); advantages: (B,). old_logps=None means on-policy (a single update
+    per batch of rollouts); ref_logps may be None only when beta == 0. mask may be bool or float (nonzero counts).
+    For surrogate="cispo", epsilon_high is the absolute cap on the IS weight (e.g. 5.0), not 1 + eps.
+    max_completion_length is Dr. GRPO's constant; it defaults to T, which is only right when every micro-batch is
+    padded to the generation limit. num_sequences / num_tokens count the whole optimizer step (see the module doc).
+    Returns (loss, stats): a scalar and a dict of detached 0-dim tensors, fractions over this micro-batch's tokens.
+    """
+    _check_choice("loss_type", loss_type, LOSS_TYPES)
+    _check_choice("surrogate", surrogate, ("clip", "cispo"))
+    _check_choice("importance_sampling_level", importance_sampling_level, ("token", "sequence"))
+    _check_choice("kl_estimator", kl_estimator, ("k1", "k2", "k3"))
+    if beta != 0 and ref_logps is None:
+        raise ValueError(f"beta={beta} needs ref_logps from a reference model; pass them or set beta=0")
+    if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
+        raise ValueError(f"shapes do not match: logps {tuple(logps.shape)}, mask {tuple(mask.shape)}, "
+                         f"advantages {tuple(advantages.shape)}; expected (B, T), (B, T), (B,)")
+    B, T = logps.shape
+    valid = mask.bool()  # (B, T)
+    lengths = valid.sum(-1)  # (B,)
+
+    # Importance ratio. On-policy, old_logp is logp itself with the gradient cut: x - x.detach() is 0 in value but
+    # carries the gradient of x, so r is exactly 1 (the clip never fires) and grad r = grad logp, the policy gradient.
+    if old_logps is None:
+        old_logps = logps.detach()
+    log_ratio = torch.where(valid, logps - old_logps, 0.0)  # (B, T) masked before exp: no inf * 0 = NaN from padding
+    if importance_sampling_level == "sequence":
+        seq_log_ratio = log_ratio.sum(-1, keepdim=True) / lengths.clamp(min=1)[:, None]  # (B, 1) log s_i
+        log_ratio = seq_log_ratio.detach() + log_ratio - log_ratio.detach()  # value log s_i, gradient per token
+    ratio = torch.exp(log_ratio)  # (B, T)
+
+    A = advantages[:, None]  # (B, 1)
+    if surrogate == "clip":
+        # dual clip: cap the ratio the min can pick; with delta > 1 + epsilon_high it only binds for A < 0
+        unclipped = ratio if delta is None else ratio.clamp(max=delta)
+        per_token = -torch.min(unclipped * A, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * A)  # (B, T)
+        clipped_low = (ratio < 1 - epsilon_low) & (A < 0)  # where the min picks the constant: zero gradient
+        clipped_high = (ratio > 1 + epsilon_high) & (A > 0)
+    else:
+        per_token = -ratio.clamp(max=epsilon_high).detach() * A * logps  # (B, T) CISPO
+        clipped_low = torch.zeros_like(valid)  # CISPO's weight has no lower cap
+        clipped_high = ratio > epsilon_high
+
+    kl = torch.zeros_like(logps) if ref_logps is None else kl_divergence(logps, ref_logps, kl_estimator)  # (B, T)
+    per_token = torch.where(valid, per_token + beta * kl, 0.0)  # (B, T)
+
+    # Aggregation. Step-wide counts are clamped so that an all-masked batch gives a zero loss, not NaN.
+    num_sequences = torch.as_tensor(B if num_sequences is None else num_sequences).clamp(min=1)
+    num_tokens = torch.as_tensor(lengths.sum() if num_tokens is None else num_tokens).clamp(min=1)
+    max_completion_length = T if max_completion_length is None else max_completion_length
+    token_sum = per_token.sum(-1)  # (B,)
+    if loss_type == "grpo":  # mean over sequences of token means: a token of a short sequence weighs more
+        loss = (token_sum / lengths.clamp(min=1)).sum() / num_sequences
+    elif loss_type == "bnpo":  # token mean of this micro-batch; the step objective is the mean over (equal-sized)
+        # micro-batches of their token means, so unlike the others it depends on how the step is split
+        loss = token_sum.sum() / lengths.sum().clamp(min=1) * B / num_sequences
+    elif loss_type == "dr_grpo":  # a constant divisor: every token weighs the same, whatever its sequence's length
+        loss = token_sum.sum() / (num_sequences * max_completion_length)
+    elif loss_type == "dapo":  # every token of the step weighs the same
+        loss = token_sum.sum() / num_tokens
+    else:  # luspo: mean over sequences of (sequence loss = its token mean) x its length, i.e. of its token sum
+        loss = token_sum.sum() / num_sequences
+
+    stats = {
+        "kl": _masked_mean(kl, valid),
+        "clip_ratio/low": _masked_mean(clipped_low, valid),
+        "clip_ratio/high": _masked_mean(clipped_high, valid),
+        "clip_ratio/region": _masked_mean(clipped_low | clipped_high, valid),
+        "ratio/mean": _masked_mean(ratio, valid),
+        "ratio/max": torch.where(valid, ratio, 0.0).max(),  # ratios are > 0, so 0 marks an empty batch
+    }
+    return loss, {k: v.detach() for k, v in stats.items()}
