@@ -1,0 +1,124 @@
+"""
+nanoGPT-style configuration, with the errors a long run deserves.
+
+The defaults are the commented module globals at the top of train.py. On the command line come, in order,
+an optional config file (plain Python, exec'd) and `--key=value` overrides (parsed with ast.literal_eval):
+
+    python train.py config/dr_grpo.py --beta=0.04 --out_dir='out-kl'
+
+Every mistake is caught before any work starts, as one line that says what is wrong and how to fix it:
+an unknown key (with the closest known keys), a value of the wrong type, and combinations that cannot
+work (check_config). train.py prints ValueErrors as `error: ...` without a traceback.
+"""
+import ast
+import difflib
+import math
+import os
+
+# the values a config may hold; anything else in train.py's globals (modules, functions) is not config
+CONFIG_TYPES = (bool, int, float, str, tuple, dict, type(None))
+
+
+def _unknown(key, known):
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(close)}?" if close else " See the globals at the top of train.py."
+    return ValueError(f"unknown config key '{key}'.{hint}")
+
+
+def _coerce(key, value, default):
+    """Return value converted to the type of default, or raise naming the key and both types."""
+    if default is None or value is None:  # optional knobs (top_k, delta, ...): None or a number/string
+        ok = value is None or isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    elif isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):  # an int where a float is expected is fine: --beta=0
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, tuple):
+        ok = isinstance(value, (tuple, list))
+        value = tuple(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ValueError(f"config key '{key}' expects {type(default).__name__}, got {type(value).__name__} "
+                         f"{value!r}; e.g. --{key}={default!r}")
+    return value
+
+
+def configure(defaults, argv):
+    """defaults: train.py's globals(). argv: sys.argv[1:]. Returns {key: value} of the final config."""
+    config = {k: v for k, v in defaults.items() if not k.startswith('_') and isinstance(v, CONFIG_TYPES)}
+    for arg in argv:
+        if not arg.startswith('--'):  # a config file: exec it on top of the defaults
+            if not os.path.isfile(arg):
+                raise FileNotFoundError(f"config file '{arg}' not found; pass a path like config/dr_grpo.py")
+            scope = dict(config)
+            try:
+                exec(compile(open(arg).read(), arg, 'exec'), scope)
+            except SyntaxError as e:
+                raise ValueError(f"config file '{arg}' line {e.lineno}: {e.msg}") from None
+            for key, value in scope.items():
+                if key.startswith('_') or not isinstance(value, CONFIG_TYPES):
+                    continue  # imports, helpers and _private names may live in a config file
+                if key not in config:
+                    raise ValueError(f"{arg}: {_unknown(key, config)}")
+                config[key] = _coerce(key, value, defaults[key])
+            continue
+        key, eq, text = arg[2:].partition('=')
+        if not eq:
+            raise ValueError(f"override '{arg}' has no value; write --{key}=VALUE")
+        if key not in config:
+            raise _unknown(key, config)
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text  # a bare word is a string: --init_from=resume
+        config[key] = _coerce(key, value, defaults[key])
+    return config
+
+
+def check_config(c, world_size):
+    """Reject combinations that cannot work, before any work starts. c: the config dict."""
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(msg)
+    choices = dict(loss_type=('grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo'), scale_rewards=('group', 'batch', 'none'),
+                   surrogate=('clip', 'cispo'), importance_sampling_level=('token', 'sequence'),
+                   kl_estimator=('k1', 'k2', 'k3'), lr_schedule=('constant', 'cosine'),
+                   dtype=('float32', 'float64', 'bfloat16', 'float16'))
+    for key, valid in choices.items():
+        need(c[key] in valid, f"unknown {key} '{c[key]}'; choose one of {', '.join(valid)}")
+    G, P = c['num_generations'], c['prompts_per_step']
+    need(G >= 1 and P >= 1, "num_generations and prompts_per_step must be >= 1")
+    need(G >= 2 or c['scale_rewards'] == 'none',
+         f"num_generations={G} leaves no group to compare; use num_generations >= 2 (GRPO needs a group)")
+    need(P % world_size == 0, f"prompts_per_step={P} is not divisible by the {world_size} ranks; "
+                              f"make it a multiple of {world_size}")
+    rows = P // world_size * G  # completions each rank holds per rollout
+    spg, mbs = c['steps_per_generation'], c['micro_batch_size']
+    need(spg >= 1 and mbs >= 1 and c['num_iterations'] >= 1,
+         "steps_per_generation, micro_batch_size and num_iterations must be >= 1")
+    need(rows % (spg * mbs) == 0,
+         f"each rank holds prompts_per_step/ranks*num_generations = {rows} completions per rollout, which must split "
+         f"into steps_per_generation={spg} optimizer steps of micro_batch_size={mbs}; "
+         f"pick micro_batch_size dividing {rows // spg if rows % spg == 0 else rows}")
+    need(c['beta'] >= 0, f"beta={c['beta']} must be >= 0")
+    need(not (c['kl_in_reward'] and c['beta'] == 0), "kl_in_reward=True needs beta > 0 (the KL coefficient)")
+    need(c['epsilon_low'] >= 0 and c['epsilon_high'] >= 0, "epsilon_low and epsilon_high must be >= 0")
+    need(c['delta'] is None or c['delta'] > 1 + c['epsilon_high'],
+         f"delta={c['delta']} must be None or > 1 + epsilon_high (it caps the ratio above the clip range)")
+    need(c['temperature'] > 0, f"temperature={c['temperature']} must be > 0 for RL sampling (log-probs divide by it)")
+    need(c['top_k'] is None or isinstance(c['top_k'], int) and c['top_k'] > 0, "top_k must be None or an int > 0")
+    need(c['top_p'] is None or 0 < c['top_p'] <= 1, "top_p must be None or in (0, 1]")
+    need(c['max_completion_length'] >= 1, "max_completion_length must be >= 1")
+    need(c['max_iters'] >= 0 and c['learning_rate'] > 0 and math.isfinite(c['learning_rate']),
+         "max_iters must be >= 0 and learning_rate a positive number")
+    need(c['init_from'] in ('scratch', 'resume') or os.path.isdir(c['init_from']),
+         f"init_from='{c['init_from']}' is neither 'scratch', 'resume' nor a Hugging Face GPT-2 directory")
+    need(c['init_from'] != 'resume' or os.path.exists(os.path.join(c['out_dir'], 'latest')),
+         f"init_from='resume' but {c['out_dir']} holds no checkpoint; start with init_from='scratch'")
+    need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] > 0,
+         "beta > 0 needs a reference policy worth staying close to, but init_from='scratch' with sft_iters=0 "
+         "starts from random weights; set sft_iters > 0, init_from a GPT-2 directory, or beta=0")

@@ -1,0 +1,91 @@
+"""configurator.py: train.py's real defaults, config files, overrides, and every combination it must refuse."""
+import ast
+import os
+
+import pytest
+
+from configurator import check_config, configure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_defaults():
+    """The literal module globals of train.py, read without running it (the same dict configure() gets)."""
+    tree = ast.parse(open(os.path.join(ROOT, 'train.py')).read())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return out
+
+
+DEFAULTS = train_defaults()
+
+
+def test_defaults_and_every_recipe_pass_the_checks():
+    check_config(configure(DEFAULTS, []), world_size=1)
+    for name in sorted(os.listdir(os.path.join(ROOT, 'config'))):
+        c = configure(DEFAULTS, [os.path.join(ROOT, 'config', name)])
+        check_config(c, world_size=2 if 'gpt2' not in name else 8)
+
+
+def test_overrides_are_typed():
+    c = configure(DEFAULTS, ['--beta=0', '--init_from=resume', '--top_k=5', "--reward_funcs=('exact_match',)",
+                             "--task_options={'digits': 2}", '--delta=None'])
+    assert c['beta'] == 0.0 and isinstance(c['beta'], float)
+    assert c['init_from'] == 'resume' and c['top_k'] == 5 and c['reward_funcs'] == ('exact_match',)
+    assert c['task_options'] == {'digits': 2} and c['delta'] is None
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--learnig_rate=1e-3'], "unknown config key 'learnig_rate'. Did you mean learning_rate"),
+    (['--num_generation=4'], "Did you mean num_generations"),
+    (['--max_iters=1.5'], "config key 'max_iters' expects int, got float 1.5"),
+    (['--beta=high'], "config key 'beta' expects float, got str 'high'"),
+    (['--compile=1'], "config key 'compile' expects bool, got int 1"),
+    (['--beta'], "override '--beta' has no value; write --beta=VALUE"),
+    (['nope.py'], "config file 'nope.py' not found"),
+])
+def test_bad_command_lines(argv, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message.replace('(', r'\(').replace(')', r'\)')):
+        configure(DEFAULTS, argv)
+
+
+def test_bad_config_files(tmp_path):
+    typo = tmp_path / 'typo.py'
+    typo.write_text("lerning_rate = 1e-3\n")
+    with pytest.raises(ValueError, match=r"typo.py: unknown config key 'lerning_rate'. Did you mean learning_rate"):
+        configure(DEFAULTS, [str(typo)])
+    broken = tmp_path / 'broken.py'
+    broken.write_text("beta = 0.1\nloss_type = 'grpo\n")
+    with pytest.raises(ValueError, match=r"broken.py' line 2"):
+        configure(DEFAULTS, [str(broken)])
+    helpers = tmp_path / 'helpers.py'  # imports and _private names are not config keys
+    helpers.write_text("import math\n_g = 4\nnum_generations = _g * 2\nlearning_rate = math.sqrt(1e-8)\n")
+    c = configure(DEFAULTS, [str(helpers), '--num_generations=4'])
+    assert c['num_generations'] == 4 and c['learning_rate'] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize('overrides, world, message', [
+    (dict(loss_type='ppo'), 1, "unknown loss_type 'ppo'; choose one of grpo, bnpo, dr_grpo, dapo, luspo"),
+    (dict(surrogate='clipped'), 1, "unknown surrogate 'clipped'"),
+    (dict(num_generations=1, scale_rewards='group'), 1, "num_generations=1 leaves no group"),
+    (dict(prompts_per_step=3), 2, "prompts_per_step=3 is not divisible by the 2 ranks"),
+    (dict(prompts_per_step=4, num_generations=8, micro_batch_size=12), 1, "must split into steps_per_generation=1"),
+    (dict(kl_in_reward=True, beta=0.0), 1, "kl_in_reward=True needs beta > 0"),
+    (dict(beta=0.04, init_from='scratch', sft_iters=0), 1, "beta > 0 needs a reference policy"),
+    (dict(delta=1.1, epsilon_high=0.2), 1, "delta=1.1 must be None or > 1 + epsilon_high"),
+    (dict(temperature=0.0), 1, "temperature=0.0 must be > 0"),
+    (dict(init_from='/no/such/dir'), 1, "is neither 'scratch', 'resume' nor a Hugging Face GPT-2 directory"),
+    (dict(init_from='resume', out_dir='/no/such/out'), 1, "holds no checkpoint"),
+    (dict(top_p=1.5), 1, "top_p must be None or in (0, 1]"),
+])
+def test_impossible_combinations(overrides, world, message):
+    c = configure(DEFAULTS, [])
+    c.update(overrides)
+    with pytest.raises(ValueError) as e:
+        check_config(c, world)
+    assert message in str(e.value)
