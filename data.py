@@ -95,7 +95,7 @@ def _task_rows(name, split, seed, size, options):
 def _parse_row(line, where):
     """One JSON Lines row as a dataset row; `where` ('file:line') starts every error message."""
     try:
-        row = json.loads(line)
+        row = json.loads(line.rstrip())  # else an error at its end points past the newline
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON "
                          f"object like {ROW_EXAMPLE}") from None

@@ -1,0 +1,164 @@
+"""
+Tests for data.py: the byte tokenizer, the built-in tasks (answers checked by recomputing them from the prompt,
+splits disjoint and deterministic), the JSON Lines loader on good and malformed files, and default rewards.
+"""
+import json
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from data import default_reward, get_tokenizer, load_dataset
+from reward import get_reward_fns
+
+def test_bytes_tokenizer_round_trip():
+    enc = get_tokenizer("bytes")
+    assert enc.n_vocab == 257 and enc.eot_token == 256
+    for task in ["addition", "sort"]:
+        for row in load_dataset(task, "test", size=50):
+            for text in [row["prompt"], row["answer"]]:
+                ids = enc.encode_ordinary(text)
+                assert ids == list(text.encode()) and enc.decode(ids) == text
+    ids = enc.encode_ordinary("héllo <|endoftext|>")  # special text in data is plain text, not an eos
+    assert 256 not in ids and enc.decode(ids) == "héllo <|endoftext|>"
+
+def test_unknown_tokenizer():
+    with pytest.raises(ValueError, match="unknown tokenizer 'gpt3'; use 'bytes' \\(built-in tasks, no download\\) "
+                                         "or 'gpt2'"):
+        get_tokenizer("gpt3")
+
+# -----------------------------------------------------------------------------
+# built-in tasks
+
+def test_addition_answers():
+    rows = load_dataset("addition", "train", seed=1, size=300, digits=3)
+    assert len(rows) == 300 and len({r["prompt"] for r in rows}) == 300
+    for r in rows:
+        a, b = r["prompt"].removesuffix("=").split("+")
+        assert r["prompt"].endswith("=") and len(a) <= 3 and len(b) <= 3
+        assert r["answer"] == str(int(a) + int(b))
+
+def test_sort_answers():
+    rows = load_dataset("sort", "train", seed=1, size=300, length=5, digits=2)
+    assert len({r["prompt"] for r in rows}) == 300
+    for r in rows:
+        assert r["prompt"].startswith("sort ") and r["prompt"].endswith(":")
+        xs = [int(x) for x in r["prompt"][5:-1].split(" ")]
+        assert len(xs) == 5 and all(0 <= x < 100 for x in xs)
+        assert r["answer"] == " ".join(str(x) for x in sorted(xs))
+
+def test_splits_partition_a_small_problem_space():
+    # 1-digit addition has 100 problems: asking for more than there are returns each exactly once, in one split
+    train = load_dataset("addition", "train", size=1000, digits=1)
+    test = load_dataset("addition", "test", size=1000, digits=1)
+    everything = {f"{a}+{b}=" for a in range(10) for b in range(10)}
+    assert {r["prompt"] for r in train} | {r["prompt"] for r in test} == everything
+    assert len(train) + len(test) == 100 and 0 < len(test) < 30
+
+@pytest.mark.parametrize("task, options", [("addition", {"digits": 2}), ("addition", {"digits": 4}), ("sort", {})])
+def test_splits_disjoint_and_deterministic(task, options):
+    train = load_dataset(task, "train", seed=0, size=2000, **options)
+    test = load_dataset(task, "test", seed=0, size=500, **options)
+    assert len(train) == 2000 and len(test) == 500
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert load_dataset(task, "test", seed=0, size=500, **options) == test  # same seed, same rows, same order
+    other = load_dataset(task, "train", seed=1, size=2000, **options)
+    assert other != train and not {r["prompt"] for r in other} & {r["prompt"] for r in test}
+
+def test_default_sizes():
+    assert len(load_dataset("addition")) == 10000 and len(load_dataset("addition", "test")) == 500
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="multiply"), "unknown dataset 'multiply'; use a built-in task \\(addition, sort\\) or a .jsonl path"),
+    (dict(name="addition", split="val"), "unknown split 'val'; use 'train' or 'test'"),
+    (dict(name="addition", size=0), "size must be a positive integer or None, got 0"),
+    (dict(name="addition", size=2.5), "size must be a positive integer or None, got 2.5"),
+    (dict(name="addition", digit=2), "task 'addition' has no option 'digit'; its options are: digits"),
+    (dict(name="sort", length=0), "task option length must be a positive integer, got 0"),
+    (dict(name="sort", digits="2"), "task option digits must be a positive integer, got '2'"),
+    (dict(name="sort", length=9, size=10**9), "too few to draw 1000000000 distinct ones at random; ask for at most "
+                                              "250000000 rows"),
+])
+def test_task_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        load_dataset(**kwargs)
+
+# -----------------------------------------------------------------------------
+# JSON Lines
+
+def write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+def test_jsonl_rows_and_extra_columns(tmp_path):
+    lines = [json.dumps({"prompt": f"Q{i}?", "answer": i, "level": i % 3}) for i in range(200)]
+    path = write(tmp_path / "mine.jsonl", lines[:100] + [""] + lines[100:])  # a blank line is not a row
+    train, test = load_dataset(path, "train"), load_dataset(path, "test")
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert sorted(train + test, key=lambda r: int(r["answer"])) == \
+        [{"prompt": f"Q{i}?", "answer": str(i), "level": i % 3} for i in range(200)]
+    assert 0 < len(test) < 50
+    assert [int(r["answer"]) for r in train] == sorted(int(r["answer"]) for r in train)  # file order kept
+    assert load_dataset(path, "train", size=5) == train[:5]
+
+def test_jsonl_split_in_path(tmp_path):
+    write(tmp_path / "train.jsonl", [json.dumps({"prompt": "a", "answer": "1"})] * 3)
+    write(tmp_path / "test.jsonl", [json.dumps({"prompt": "b", "answer": "2"})])
+    path = str(tmp_path / "{split}.jsonl")
+    assert load_dataset(path, "train") == [{"prompt": "a", "answer": "1"}] * 3
+    assert load_dataset(path, "test") == [{"prompt": "b", "answer": "2"}]
+
+def test_gsm8k_layout(tmp_path):
+    solution = "She sold 48/2 = <<48/2=24>>24 clips in May.\nIn all 1,048+24 = <<1048+24=1072>>1072 clips.\n#### 1,072"
+    write(tmp_path / "train.jsonl", [json.dumps({"question": "How many clips?", "answer": solution})])
+    rows = load_dataset(str(tmp_path / "{split}.jsonl"))
+    assert rows == [{"prompt": "How many clips?", "answer": "1072", "solution": solution}]
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "2+2=", "answer": "4"', "invalid JSON \\(Expecting ',' delimiter at column 33\\); each line must "
+                                        "be one JSON object like"),
+    ('["2+2=", "4"]', "expected a JSON object like .*, got a list"),
+    ('{"prompt": "2+2="}', 'no "answer"; every row needs a "prompt" \\(or GSM8K "question"\\) and an "answer"'),
+    ('{"text": "2+2=", "answer": "4"}', 'no "prompt"; every row needs a "prompt"'),
+    ('{"prompt": ["2+2="], "answer": "4"}', '"prompt" must be a string, got \\["2\\+2="\\]'),
+    ('{"prompt": "2+2=", "answer": true}', '"answer" must be a string or a number, got true'),
+    ('{"prompt": "2+2=", "answer": null}', '"answer" must be a string or a number, got null'),
+    ('{"prompt": "2+2=", "answer": "4", "truncated": false}', 'column "truncated" is reserved'),
+    ('{"prompt": "2+2=", "answer": "4", "level": 1}',
+     "columns \\['answer', 'level', 'prompt'\\] differ from the first row's \\['answer', 'prompt'\\]; every row"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, line, message):
+    good = json.dumps({"prompt": "1+1=", "answer": "2"})
+    path = write(tmp_path / "bad.jsonl", [good, "", line, good])
+    with pytest.raises(ValueError) as e:
+        load_dataset(path)
+    assert str(e.value).startswith(f"{path}:3: ") and "\n" not in str(e.value)
+    assert re.search(message, str(e.value)), str(e.value)
+
+def test_empty_and_missing_files(tmp_path):
+    path = write(tmp_path / "empty.jsonl", ["", "  "])
+    with pytest.raises(ValueError, match=f"{path} is empty; it needs one JSON object per line, like"):
+        load_dataset(path)
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match=f"dataset file {missing} not found; give the path of a .jsonl file "
+                                                f"or a built-in task \\(addition, sort\\)"):
+        load_dataset(missing)
+
+def test_jsonl_refuses_task_options_and_empty_split(tmp_path):
+    path = write(tmp_path / "one.jsonl", [json.dumps({"prompt": "only one", "answer": "1"})])
+    with pytest.raises(ValueError, match="options \\['digits'\\] apply to built-in tasks only"):
+        load_dataset(path, digits=2)
+    split = "test" if load_dataset(path, "train") else "train"
+    with pytest.raises(ValueError, match=f"none of its rows falls in the {split} split"):
+        load_dataset(path, split)
+
+# -----------------------------------------------------------------------------
+
+def test_default_reward():
+    assert default_reward("addition", load_dataset("addition", "test", size=5)) == (["exact_match"], [1.0])
+    numeric = [{"prompt": "?", "answer": "1072"}, {"prompt": "?", "answer": "-0.5"}]
+    names, weights = default_reward("gsm8k.jsonl", numeric)
+    assert names == ["numeric_match", "format"] and weights == [1.0, 0.1] and len(get_reward_fns(names)) == 2
+    assert default_reward("words.jsonl", numeric + [{"prompt": "?", "answer": "Paris"}]) == (["exact_match"], [1.0])
