@@ -63,6 +63,7 @@ def sort(length=4, digits=1):
 TASKS = {"addition": addition, "sort": sort}
 
 def _task_rows(name, split, seed, size, options):
+    """Up to `size` distinct problems of task `name` from `split`, drawn with `seed`."""
     known = inspect.signature(TASKS[name]).parameters
     for key, value in options.items():
         if key not in known:
@@ -71,11 +72,12 @@ def _task_rows(name, split, seed, size, options):
             raise ValueError(f"task option {key} must be a positive integer, got {value!r}")
     count, problem = TASKS[name](**options)
     rng = random.Random(seed)
+    share = TEST_PERCENT if split == "test" else 100 - TEST_PERCENT  # percent of the problems in this split
     if count <= 1 << 16:
         order = rng.sample(range(count), count)  # small space: shuffle all of it, so `size` caps at what there is
-    elif size > count // 4:
-        raise ValueError(f"task {name!r} with {options} has {count} problems, too few to draw {size} distinct "
-                         f"ones at random; ask for at most {count // 4} rows or make the problems bigger")
+    elif size > count * share // 200:  # past half of the split, draws would mostly hit problems already drawn
+        raise ValueError(f"task {name!r} with {options} has about {count * share // 100} {split} problems, too few "
+                         f"to draw {size} distinct ones at random; ask for at most {count * share // 200} rows")
     else:
         order = (rng.randrange(count) for _ in itertools.count())  # huge space: repeats are rare, skipped below
     rows, seen = [], set()

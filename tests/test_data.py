@@ -78,8 +78,10 @@ def test_default_sizes():
     (dict(name="addition", digit=2), "task 'addition' has no option 'digit'; its options are: digits"),
     (dict(name="sort", length=0), "task option length must be a positive integer, got 0"),
     (dict(name="sort", digits="2"), "task option digits must be a positive integer, got '2'"),
-    (dict(name="sort", length=9, size=10**9), "too few to draw 1000000000 distinct ones at random; ask for at most "
-                                              "250000000 rows"),
+    (dict(name="sort", length=9, size=10**9), "task 'sort' with {'length': 9} has about 900000000 train problems, "
+                                              "too few to draw 1000000000 distinct ones at random; ask for at most "
+                                              "450000000 rows"),
+    (dict(name="sort", split="test", length=5, size=6000), "has about 10000 test problems, too few to draw 6000 "),
 ])
 def test_task_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
