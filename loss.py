@@ -89,8 +89,9 @@ def group_advantages(rewards, num_generations, scale_rewards="group"):
 def kl_divergence(logps, ref_logps, estimator="k3"):
     """
     Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by the policy, (B, T) -> (B, T), with
-    Schulman's estimators (http://joschu.net/blog/kl-approx.html). Used as a loss on on-policy samples their
-    expected gradients differ: k1's is zero, k2's is that of KL(pi_theta || pi_ref), k3's that of KL(pi_ref || pi_theta).
+    Schulman's estimators (http://joschu.net/blog/kl-approx.html). Used as a loss on on-policy samples, their
+    expected gradients differ: k1's is zero, k2's is that of KL(pi_theta || pi_ref) and k3's that of
+    KL(pi_ref || pi_theta).
     """
     _check_choice("kl_estimator", estimator, ("k1", "k2", "k3"))
     log_ratio = (ref_logps - logps).clamp(-20.0, 20.0)  # log(pi_ref / pi_theta); clamped so exp cannot overflow
@@ -137,7 +138,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
 
     A = advantages[:, None]  # (B, 1)
     if surrogate == "clip":
-        # dual clip: cap the ratio the min can pick; with delta > 1 + epsilon_high it only binds for A < 0
+        # dual clip (= verl's clip_ratio_c): cap the ratio the min can pick; with delta > 1 + epsilon_high it only
+        # binds for A < 0, where a stale token with a huge ratio would otherwise get an unbounded loss
         unclipped = ratio if delta is None else ratio.clamp(max=delta)
         per_token = -torch.min(unclipped * A, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * A)  # (B, T)
         clipped_low = (ratio < 1 - epsilon_low) & (A < 0)  # where the min picks the constant: zero gradient
