@@ -371,7 +371,7 @@ def _draw(w, generator):
 
 def _search(cdf, u):
     """Index i with cdf[i-1] <= u * total < cdf[i], so entries of zero mass are never hit."""
-    total = cdf[:, -1:]
+    total = cdf[:, -1:].contiguous()  # (B, 1)
     i = torch.searchsorted(cdf, u * total, right=True)
     # u * total can round up to total: then take the last entry with positive mass
     return torch.minimum(i, torch.searchsorted(cdf, total))

@@ -1,0 +1,309 @@
+"""
+Tests for model.py against independent references: Hugging Face's own logits for a fixture checkpoint, a no-cache
+full-recompute decoder, brute-force log-softmax loops, and chi-square tests of the sampler.
+"""
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import GPT, GPTConfig, sample
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gpt2-a")
+PROMPTS = [[5, 17, 200], [1, 2, 3, 4, 5, 6, 7], [42], [250, 9, 9, 100, 31]]  # ragged on purpose
+
+@pytest.fixture(scope="module")
+def tiny():
+    return GPT.from_pretrained(FIXTURE).eval()
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_file(os.path.join(FIXTURE, "reference.safetensors"))
+
+def record_logits(model):
+    """Collect every output of the lm_head during a call: generate's per-step logits."""
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out.clone()))
+    return seen, handle
+
+def uncached_generate(model, prompts, steps, num_samples=1, temperature=0.0, generator=None):
+    """Reference decoder: every row recomputes its whole sequence alone each step; tokens are drawn with the same
+    sample() over all rows at once so a seeded generator is consumed exactly like generate's."""
+    seqs = [list(p) for p in prompts for _ in range(num_samples)]
+    tokens, logps, logits_seen = [], [], []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = torch.stack([model(torch.tensor(s)[None])[0, -1] for s in seqs])  # (N, V)
+        tok, lp = sample(logits, temperature, generator=generator)
+        for s, t in zip(seqs, tok.tolist()):
+            s.append(t)
+        tokens.append(tok), logps.append(lp), logits_seen.append(logits)
+    return torch.stack(tokens, 1), torch.stack(logps, 1), logits_seen
+
+# -----------------------------------------------------------------------------
+# the fixture: what Hugging Face transformers computes from the same checkpoint
+
+def test_logits_match_hugging_face(tiny, reference):
+    with torch.no_grad():
+        logits = tiny(reference["input_ids"])
+    assert logits.shape == reference["logits"].shape
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-5, rtol=0)
+
+def test_greedy_matches_hugging_face(tiny, reference):
+    seen, handle = record_logits(tiny)
+    tokens, mask, _ = tiny.generate(reference["greedy_prompt"].tolist(), 20, temperature=0)
+    handle.remove()
+    assert torch.equal(tokens, reference["greedy_new_tokens"])
+    assert mask.all()
+    torch.testing.assert_close(torch.cat(seen), reference["greedy_scores"], atol=1e-5, rtol=0)
+
+# -----------------------------------------------------------------------------
+# the KV cache against full recomputation
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cached_equals_uncached(tiny, temperature):
+    steps, G = 12, 2
+    seen, handle = record_logits(tiny)
+    tokens, mask, logps = tiny.generate(PROMPTS, steps, num_samples=G, temperature=temperature,
+                                        generator=torch.Generator().manual_seed(1))
+    handle.remove()
+    ref_tokens, ref_logps, ref_logits = uncached_generate(tiny, PROMPTS, steps, G, temperature,
+                                                          torch.Generator().manual_seed(1))
+    assert torch.equal(tokens, ref_tokens) and mask.all()
+    torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=0)
+    # the prefill logits of each prompt (one row each), then one (N, V) per decode step
+    prefill = torch.cat(seen[:len(PROMPTS)]).repeat_interleave(G, 0)
+    torch.testing.assert_close(prefill, ref_logits[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.stack(seen[len(PROMPTS):]), torch.stack(ref_logits[1:]), atol=1e-5, rtol=0)
+
+def test_eos_ends_rows_and_compacts_batch(tiny):
+    prompts, steps = [[p, (7 * p) % 257] for p in range(0, 257, 16)], 24  # 17 prompts
+    ref_tokens, _, _ = uncached_generate(tiny, prompts, steps)
+    # the token most often seen early in the reference continuations, so that many rows end early
+    eos = int(ref_tokens[:, :6].flatten().mode().values)
+    seen, handle = record_logits(tiny)
+    tokens, mask, logps = tiny.generate(prompts, steps, temperature=0, eos_id=eos)
+    handle.remove()
+    assert min(out.size(0) for out in seen[len(prompts):]) < len(prompts), "finished rows were never dropped"
+    for row, ref in zip(range(len(prompts)), ref_tokens):
+        ends = (ref == eos).nonzero()
+        n = int(ends[0]) + 1 if len(ends) else steps  # real tokens, eos included
+        assert mask[row].sum() == n and mask[row, :n].all()
+        assert torch.equal(tokens[row, :n], ref[:n])
+        assert (tokens[row, n:] == eos).all() and (logps[row, n:] == 0).all()
+    assert tokens.size(1) == int(mask.sum(1).max())  # no trailing all-padding steps
+
+def test_ragged_batch_equals_each_prompt_alone(tiny):
+    eos = 226  # frequent in this checkpoint's greedy continuations: rows end at different steps
+    tokens, mask, logps = tiny.generate(PROMPTS, 16, temperature=0, eos_id=eos)
+    assert not mask.all()
+    for row, prompt in enumerate(PROMPTS):
+        t, m, lp = tiny.generate([prompt], 16, temperature=0, eos_id=eos)
+        L = t.size(1)
+        assert torch.equal(tokens[row, :L], t[0]) and torch.equal(mask[row, :L], m[0]) and not mask[row, L:].any()
+        torch.testing.assert_close(logps[row, :L], lp[0], atol=1e-5, rtol=0)
+
+@pytest.mark.parametrize("top_k, top_p", [(None, None), (20, 0.9)])
+def test_generate_logprobs_match_trainer_path(tiny, top_k, top_p):
+    temperature = 0.8
+    tokens, mask, logps = tiny.generate(PROMPTS, 10, num_samples=3, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, eos_id=226, generator=torch.Generator().manual_seed(0))
+    rows = [p for p in PROMPTS for _ in range(3)]
+    T = max(map(len, rows)) + tokens.size(1)
+    idx = torch.full((len(rows), T), 123)  # right padding with an arbitrary id
+    for r, p in enumerate(rows):
+        idx[r, :len(p) + tokens.size(1)] = torch.tensor(p + tokens[r].tolist())
+    start = torch.tensor([len(p) for p in rows])
+    with torch.no_grad():
+        ref = tiny.logprobs(idx, start, tokens.size(1), temperature)
+    torch.testing.assert_close(logps[mask], ref[mask], atol=1e-5, rtol=0)
+    assert (logps[~mask] == 0).all()
+
+def test_samples_of_one_prompt_differ(tiny):
+    tokens, _, _ = tiny.generate(PROMPTS, 1, num_samples=16, generator=torch.Generator().manual_seed(0))
+    for i in range(len(PROMPTS)):
+        assert tokens[16 * i:16 * (i + 1), 0].unique().numel() > 1, f"prompt {i}: all rows drew the same first token"
+
+def test_generate_is_seeded_and_restores_mode(tiny):
+    tiny.train()
+    a = tiny.generate(PROMPTS, 6, num_samples=2, generator=torch.Generator().manual_seed(3))
+    b = tiny.generate(PROMPTS, 6, num_samples=2, generator=torch.Generator().manual_seed(3))
+    assert tiny.training
+    tiny.eval()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert a[0].dtype == torch.long and a[1].dtype == torch.bool and a[2].dtype == torch.float32
+
+def test_generate_rejects_bad_prompts(tiny):
+    with pytest.raises(ValueError, match=r"prompt 1 has 120 tokens and max_new_tokens is 10.*block_size 128"):
+        tiny.generate([[1, 2], [3] * 120], 10)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        tiny.generate([[]], 5)
+
+# -----------------------------------------------------------------------------
+# the trainer's log-prob path against a brute-force log-softmax
+
+def brute_logprobs(model, idx, start, length, temperature):
+    logp = torch.log_softmax(model(idx).float() / temperature, -1)  # (B, T, V)
+    return torch.stack([logp[b, torch.arange(s - 1, s - 1 + length), idx[b, s:s + length]]
+                        for b, s in enumerate(start.tolist())])
+
+def test_logprobs_match_brute_force_with_chunks_and_grad():
+    torch.manual_seed(0)
+    # a vocabulary of 2**15 makes the chunks 512 rows, so 4 x 150 targets take two of them
+    model = GPT(GPTConfig(block_size=160, vocab_size=2**15, n_layer=2, n_head=2, n_embd=32))
+    idx = torch.randint(0, 2**15, (4, 160))
+    start, length = torch.tensor([5, 10, 1, 8]), 150
+    weights = torch.randn(4, length)
+    lp = model.logprobs(idx, start, length, temperature=0.7)
+    (lp * weights).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = brute_logprobs(model, idx, start, length, 0.7)
+    (ref * weights).sum().backward()
+    assert lp.shape == (4, length) and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
+
+def test_logprobs_rejects_out_of_range():
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(ValueError, match="start"):
+        model.logprobs(torch.zeros(2, 10, dtype=torch.long), torch.tensor([3, 6]), 5)
+
+def test_flops_per_token():
+    L, C, V, T = 3, 48, 100, 64
+    model = GPT(GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=4, n_embd=C))
+    N = V * C + L * (12 * C * C + 13 * C) + 2 * C  # tied embeddings + blocks + ln_f, without wpe
+    assert model.flops_per_token(T) == 6 * N + 12 * L * C * T
+    assert model.flops_per_token(T, backward=False) * 3 == model.flops_per_token(T)
+
+# -----------------------------------------------------------------------------
+# sampler: chi-square goodness of fit on small vocabularies
+
+def expected_probs(logits, temperature, top_k=None, top_p=None):
+    """Brute force in float64 with plain Python: softmax, keep the top_k, then the top_p prefix, renormalise."""
+    p = [math.exp(x / temperature) for x in logits]
+    order = sorted(range(len(p)), key=lambda i: -p[i])[:top_k or len(p)]
+    kept, mass, total = [], 0.0, sum(p[i] for i in order)
+    for i in order:
+        if top_p is not None and mass >= top_p:
+            break
+        kept.append(i)
+        mass += p[i] / total
+    z = sum(p[i] for i in kept)
+    return [p[i] / z if i in kept else 0.0 for i in range(len(p))]
+
+def chi_square_critical(df, z=3.29):
+    """Wilson-Hilferty approximation of the chi-square quantile at normal quantile z (3.29: p = 0.0005)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+@pytest.mark.parametrize("V", [9, 10])  # two-level blocks of 3 (no tail) and of 4 with a short tail
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, None, None), (1.3, 4, None),
+                                                       (1.0, None, 0.6), (0.9, 6, 0.8)])
+def test_sampler_chi_square(V, temperature, top_k, top_p):
+    # two different distributions in alternating rows: each row must use its own
+    dists = [torch.linspace(-2.0, 1.5, V), torch.tensor([0.3 * ((7 * i) % V) for i in range(V)])]
+    n = 40000
+    logits = torch.stack(dists).repeat(n // 2, 1)  # (n, V)
+    tok, lp = sample(logits, temperature, top_k, top_p, torch.Generator().manual_seed(1234))
+    for d in range(2):
+        probs = expected_probs(dists[d].tolist(), temperature, top_k, top_p)
+        counts = torch.bincount(tok[d::2], minlength=V).tolist()
+        assert all(c == 0 for c, p in zip(counts, probs) if p == 0), "drew a token the filters removed"
+        support = [(c, p * n / 2) for c, p in zip(counts, probs) if p > 0]
+        chi2 = sum((c - e) ** 2 / e for c, e in support)
+        assert chi2 < chi_square_critical(len(support) - 1), f"distribution {d}: chi2 {chi2:.1f}"
+    # the log-prob is under the full temperature softmax whatever the filters
+    torch.testing.assert_close(lp, torch.log_softmax(logits / temperature, -1).gather(1, tok[:, None]).squeeze(1))
+
+def test_greedy_sample_is_argmax():
+    logits = torch.randn(50, 33, generator=torch.Generator().manual_seed(0))
+    tok, lp = sample(logits, temperature=0)
+    assert torch.equal(tok, logits.argmax(-1))
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).max(-1).values)
+
+# -----------------------------------------------------------------------------
+# Hugging Face checkpoint I/O
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=40, vocab_size=77, n_layer=2, n_head=2, n_embd=16))
+    model.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]  # no temp files left behind
+    loaded = GPT.from_pretrained(tmp_path)
+    assert loaded.config == model.config
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+
+def test_save_reproduces_the_hugging_face_files(tiny, tmp_path):
+    tiny.save_pretrained(tmp_path)
+    ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(os.path.join(FIXTURE, "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    config = json.loads((tmp_path / "config.json").read_text())
+    with open(os.path.join(FIXTURE, "config.json")) as f:
+        hf = json.load(f)
+    for key in ["model_type", "architectures", "activation_function", "n_positions", "n_embd", "n_layer", "n_head",
+                "vocab_size", "layer_norm_epsilon", "tie_word_embeddings"]:
+        assert config[key] == hf[key], key
+
+def test_bias_free_model_saves_zero_biases(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=30, n_layer=1, n_head=2, n_embd=8, bias=False)).eval()
+    model.save_pretrained(tmp_path)
+    loaded = GPT.from_pretrained(tmp_path).eval()
+    idx = torch.randint(0, 30, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx), model(idx), atol=1e-6, rtol=0)
+
+def broken_copy(tmp_path, edit_config=None, edit_tensors=None):
+    path = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, path)
+    if edit_config:
+        config = json.loads((path / "config.json").read_text())
+        edit_config(config)
+        (path / "config.json").write_text(json.dumps(config))
+    if edit_tensors:
+        tensors = load_file(path / "model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, path / "model.safetensors")
+    return path
+
+@pytest.mark.parametrize("edit_config, edit_tensors, error", [
+    (lambda c: c.update(model_type="llama"), None, r"config.json: model_type is 'llama'"),
+    (lambda c: c.pop("n_layer"), None, r"config.json: missing key 'n_layer'"),
+    (lambda c: c.update(activation_function="relu"), None, r"config.json: unsupported GPT-2 variant"),
+    (None, lambda t: t.pop("transformer.h.1.mlp.c_fc.bias"),
+     r"model.safetensors: missing tensor 'transformer.h.1.mlp.c_fc.bias'"),
+    (None, lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(64)}),
+     r"model.safetensors: unexpected tensor 'transformer.h.2.ln_1.weight'"),
+    (None, lambda t: t.update({"transformer.wpe.weight": torch.zeros(64, 64)}),
+     r"model.safetensors: tensor 'transformer.wpe.weight' has shape \(64, 64\), expected \(128, 64\)"),
+    (None, lambda t: t.update({"lm_head.weight": torch.zeros(257, 64)}), r"lm_head.weight differs"),
+])
+def test_bad_checkpoints_fail_clearly(tmp_path, edit_config, edit_tensors, error):
+    with pytest.raises(ValueError, match=error):
+        GPT.from_pretrained(broken_copy(tmp_path, edit_config, edit_tensors))
+
+def test_missing_files_fail_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        GPT.from_pretrained(tmp_path)
+    path = broken_copy(tmp_path)
+    os.remove(path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="model.safetensors not found"):
+        GPT.from_pretrained(path)
+
+def test_loads_unprefixed_keys_and_skips_mask_buffers(tmp_path, tiny, reference):
+    # the original openai-community/gpt2 files name weights without "transformer." and carry attn.bias buffers
+    def unprefix(t):
+        for k in list(t):
+            t[k.removeprefix("transformer.")] = t.pop(k)
+        t["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 128, 128))
+    model = GPT.from_pretrained(broken_copy(tmp_path, edit_tensors=unprefix)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(reference["input_ids"]), reference["logits"], atol=1e-5, rtol=0)
