@@ -331,33 +331,28 @@ def _atomic_write(file, data):
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """Draw one token per row of logits (B, V) from softmax(logits / temperature), restricted to the top_k most
-    likely tokens and then to the smallest set of them holding top_p of the (renormalised) mass, and return
-    (tokens (B,), log-probs (B,) float32). The log-prob is under the full temperature softmax, not the restricted
-    one: the policy's own probability, as logprobs() computes it. temperature=0 is greedy (log-probs at T=1)."""
+    likely tokens and then to the smallest set of them holding top_p of their mass, and return (tokens (B,) long,
+    log-probs (B,) float32). The log-prob is under the full temperature softmax, not the restricted one: the
+    policy's own probability, as logprobs() computes it. temperature=0 is greedy (log-probs at temperature 1).
+    top_p without top_k sorts the whole vocabulary, which is slow on CPU; a top_k as well keeps it cheap."""
     x = logits.float()
     if temperature not in (0, 1):
         x = x / temperature
+    p = torch.softmax(x, -1)  # (B, V) one fused pass; an exp of its own is several times slower on CPU
     if temperature == 0:
         tok = x.argmax(-1, keepdim=True)
-        lse = x.logsumexp(-1, keepdim=True)
     elif top_k is None and top_p is None:
-        m = x.amax(-1, keepdim=True)  # (B, 1)
-        tok, mass = _draw(torch.exp(x - m), generator)
-        lse = m + mass.log()  # reuse the draw's total mass instead of a second pass over the vocabulary
+        tok = _draw(p, generator)
     else:
-        # candidates sorted by probability, so the top_p cut is a prefix and the first is the max
-        cand, idx = x.topk(min(top_k, x.size(-1))) if top_k is not None else x.sort(-1, descending=True)
-        w = torch.exp(cand - cand[:, :1])  # (B, k)
-        if top_p is not None:
-            p = w / w.sum(-1, keepdim=True)
-            w = w.masked_fill(p.cumsum(-1) - p >= top_p, 0.0)  # keep a token if the mass before it is < top_p
-        tok = idx.gather(1, _draw(w, generator)[0])
-        lse = x.logsumexp(-1, keepdim=True)
-    return tok.squeeze(1), (x.gather(1, tok) - lse).squeeze(1)
+        # candidates sorted by probability, so the top_p cut is a prefix
+        w, idx = p.topk(min(top_k, p.size(-1))) if top_k is not None else p.sort(-1, descending=True)  # (B, k)
+        if top_p is not None:  # keep a token while the mass before it is < top_p of the candidates' mass
+            w = w.masked_fill(w.cumsum(-1) - w >= top_p * w.sum(-1, keepdim=True), 0.0)
+        tok = idx.gather(1, _draw(w, generator))
+    return tok.squeeze(1), p.gather(1, tok).log().squeeze(1)
 
 def _draw(w, generator):
-    """Exact inverse-CDF draw of one index per row of nonnegative weights w (B, V): returns (index (B, 1), total
-    weight (B, 1)). A cumsum over the whole vocabulary is slow (it is sequential), so draw in two levels: a block of
+    """Exact inverse-CDF draw of one index (B, 1) per row of nonnegative weights w (B, V). A cumsum over the whole vocabulary is slow (it is sequential), so draw in two levels: a block of
     ~sqrt(V) tokens by its mass, then a token inside the block by its weight, each with its own uniform."""
     B, V = w.shape
     bs = math.isqrt(V - 1) + 1  # block size
@@ -367,7 +362,7 @@ def _draw(w, generator):
     block = _search(mass.cumsum(-1), u[:, :1])  # (B, 1)
     cols = block * bs + torch.arange(bs, device=w.device)  # (B, bs) the block's token ids
     inside = w.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0)  # (B, bs) the last block may be short
-    return block * bs + _search(inside.cumsum(-1), u[:, 1:]), mass.sum(-1, keepdim=True)
+    return block * bs + _search(inside.cumsum(-1), u[:, 1:])
 
 def _search(cdf, u):
     """Index i with cdf[i-1] <= u * total < cdf[i], so entries of zero mass are never hit."""
