@@ -162,8 +162,10 @@ class GPT(nn.Module):
         return torch.cat(out).view(B, length)
 
     def _token_logprobs(self, h, targets, temperature):
-        logits = self.lm_head(h).float() / temperature  # (n, V) float32 even under autocast: logsumexp needs it
-        return logits.gather(1, targets[:, None]).squeeze(1) - logits.logsumexp(-1)  # (n,)
+        logits = self.lm_head(h).float()  # (n, V) float32 even under autocast: the normaliser needs it
+        if temperature != 1:
+            logits = logits / temperature
+        return logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)  # (n,) faster than logsumexp on CPU
 
     @torch.inference_mode()
     def generate(self, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None,

@@ -307,3 +307,18 @@ def test_loads_unprefixed_keys_and_skips_mask_buffers(tmp_path, tiny, reference)
     model = GPT.from_pretrained(broken_copy(tmp_path, edit_tensors=unprefix)).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(reference["input_ids"]), reference["logits"], atol=1e-5, rtol=0)
+
+def test_bf16_autocast_gives_float32_logprobs(tiny):
+    # the CUDA recipe is bf16 autocast; CPU autocast exercises the same code: bf16 cache, float32 log-probs
+    rows = [p for p in PROMPTS for _ in range(2)]
+    with torch.autocast("cpu", torch.bfloat16):
+        tokens, _, logps = tiny.generate(PROMPTS, 8, num_samples=2, generator=torch.Generator().manual_seed(0))
+    idx = torch.tensor([p + t + [0] * (7 - len(p)) for p, t in zip(rows, tokens.tolist())])
+    start = torch.tensor([len(p) for p in rows])
+    with torch.no_grad():
+        ref = tiny.logprobs(idx, start, 8)
+        with torch.autocast("cpu", torch.bfloat16):
+            lp = tiny.logprobs(idx, start, 8)
+    assert logps.dtype == lp.dtype == torch.float32
+    torch.testing.assert_close(logps, ref, atol=0.25, rtol=0)
+    torch.testing.assert_close(lp, ref, atol=0.25, rtol=0)
