@@ -136,13 +136,16 @@ def matmul_share(model, args, prompts):
     """Share of a whole generate call's wall time spent inside matmul kernels, from the profiler."""
     activity = torch.profiler.ProfilerActivity
     cuda = args.device.startswith("cuda")
-    with torch.profiler.profile(activities=[activity.CUDA if cuda else activity.CPU]) as prof:
+    # on CUDA an aten op's device time is that of the kernels it launched
+    with torch.profiler.profile(activities=[activity.CPU] + [activity.CUDA] * cuda) as prof:
         seconds = timed(lambda: generate(model, args, prompts, args.new_tokens), args.device, 1, warmup=0)
     matmul_us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in prof.key_averages()
                     if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
     return matmul_us / 1e6 / seconds
 
 def bench_sampling(args, model, results):
+    """Prefill and decode of model.generate, its MFU (needs the peak section first) and matmul share, the naive
+    sampler, and a batch where half the rows end early."""
     prompts, rows, T = make_prompts(args), args.prompts * args.G, args.new_tokens
     prefill = timed(lambda: generate(model, args, prompts, 1), args.device, args.repeat)
     total = timed(lambda: generate(model, args, prompts, T), args.device, args.repeat)
@@ -175,7 +178,6 @@ def bench_sampling(args, model, results):
 def logprob_pass(args, naive):
     """Run in a fresh process: (seconds, peak resident memory above the inputs' in bytes) of one log-prob pass over
     a GRPO batch, chunked or naive. ru_maxrss is a per-process high-water mark, hence the fresh process."""
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     model = build_model(args)
     rows, P, T = args.prompts * args.G, args.prompt_len, args.new_tokens
     idx = torch.randint(0, args.vocab_size, (rows, P + T), device=args.device)
@@ -199,7 +201,7 @@ def logprob_pass(args, naive):
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
 
 def bench_logprobs(args, model, results):
-    os.environ["BENCH_THREADS"] = str(torch.get_num_threads())
+    """The old/ref log-prob pass over a whole GRPO batch: model.logprobs against a plain full log-softmax."""
     r = results["logprobs"] = {}
     tokens = args.prompts * args.G * args.new_tokens
     for name in ("chunked", "naive"):
