@@ -12,6 +12,7 @@ sampled tokens, no padding, the eos included if it was sampled), `max_completion
 batch) and `truncated` (hit the length limit without an eos). Take the columns you need by name and swallow the
 rest with **kwargs. To add a reward, write such a function and add it to REWARD_FNS below.
 """
+import importlib
 import math
 import numbers
 import re
@@ -77,12 +78,26 @@ REWARD_FNS = {  # the names a config can use in its list of reward functions
 }
 
 def get_reward_fns(names):
-    """The reward functions called `names` in REWARD_FNS (a single name is fine too)."""
-    names = [names] if isinstance(names, str) else names
-    for name in names:
-        if name not in REWARD_FNS:
-            raise ValueError(f"unknown reward function {name!r}; valid names: {', '.join(REWARD_FNS)}")
-    return [REWARD_FNS[name] for name in names]
+    """The reward functions called `names` (a single name is fine too): a key of REWARD_FNS, or 'module:function'
+    for one of your own, imported from the Python path (e.g. --reward_funcs="('myrewards:brevity',)")."""
+    fns = []
+    for name in [names] if isinstance(names, str) else names:
+        if ':' in name:
+            module, _, attr = name.partition(':')
+            try:
+                fn = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise ValueError(f"reward function {name!r} cannot be imported ({e}); put {module}.py on the "
+                                 f"Python path (e.g. the directory you run from) with a function {attr}") from None
+            if not callable(fn):
+                raise ValueError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
+        elif name in REWARD_FNS:
+            fn = REWARD_FNS[name]
+        else:
+            raise ValueError(f"unknown reward function {name!r}; valid names: {', '.join(REWARD_FNS)}, "
+                             f"or 'module:function' for your own")
+        fns.append(fn)
+    return fns
 
 # -----------------------------------------------------------------------------
 # calling reward functions, with errors that say which function and which completion

@@ -59,6 +59,19 @@ def test_get_reward_fns():
                                          "format, overlong"):
         get_reward_fns(["exact_match", "exact"])
 
+def test_get_reward_fns_imports_module_functions(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("def brevity(prompts, completions, **kw):\n"
+                                            "    return [1.0 / (1 + len(c)) for c in completions]\nnot_fn = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (fn,) = get_reward_fns(["my_rewards:brevity"])
+    assert fn(["p"], ["abc"]) == [0.25]
+    with pytest.raises(ValueError, match="reward function 'my_rewards:nope' cannot be imported"):
+        get_reward_fns(["my_rewards:nope"])
+    with pytest.raises(ValueError, match="reward function 'no_such_module:f' cannot be imported"):
+        get_reward_fns(["no_such_module:f"])
+    with pytest.raises(ValueError, match="reward function 'my_rewards:not_fn' is a int, not a function"):
+        get_reward_fns(["my_rewards:not_fn"])
+
 # -----------------------------------------------------------------------------
 # compute_rewards
 

@@ -1,0 +1,51 @@
+"""
+Reward and accuracy curves from a run's metrics.jsonl (needs matplotlib, which training does not).
+
+$ python plot.py out-dr_grpo               # writes out-dr_grpo/curves.png
+$ python plot.py out-dr_grpo out-grpo      # several runs on the same axes, one colour each
+"""
+import json
+import os
+import sys
+
+
+def read(out_dir):
+    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+        rows = [json.loads(line) for line in f]
+    # a resumed run appends: keep the last record of each (iteration, kind)
+    train = {r['iter']: r for r in rows if 'reward' in r}
+    evals = {r['iter']: r for r in rows if 'eval/greedy_acc' in r}
+    return [train[k] for k in sorted(train)], [evals[k] for k in sorted(evals)]
+
+
+def main(out_dirs):
+    try:
+        import matplotlib
+        matplotlib.use('Agg')  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("error: plot.py needs matplotlib; pip install matplotlib")
+    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
+    for color, out_dir in zip(plt.rcParams['axes.prop_cycle'].by_key()['color'], out_dirs):
+        train, evals = read(out_dir)
+        name = os.path.basename(os.path.normpath(out_dir))
+        ax_r.plot([r['iter'] for r in train], [r['reward'] for r in train], color=color, alpha=0.8, label=name)
+        ax_a.plot([r['iter'] for r in evals], [r['eval/greedy_acc'] for r in evals], 'o-', color=color,
+                  label=f'{name} greedy')
+        ax_a.plot([r['iter'] for r in evals], [r['eval/pass@1'] for r in evals], '--', color=color,
+                  label=f'{name} pass@1')
+    ax_r.set(xlabel='iteration', ylabel='mean reward (train rollouts)', title='reward')
+    ax_a.set(xlabel='iteration', ylabel='held-out accuracy', title='held-out accuracy', ylim=(0, 1))
+    for ax in (ax_r, ax_a):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dirs[0], 'curves.png')
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == '__main__':
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])
