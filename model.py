@@ -135,8 +135,12 @@ class GPT(nn.Module):
             x = block(x, None if kv is None else kv[i], col, key_mask)
         return self.transformer.ln_f(x)
 
-    def forward(self, idx):
-        """Logits (B, T, vocab_size) for every position of idx (B, T): the plain reference path."""
+    def forward(self, idx, start=None, length=None, temperature=1.0):
+        """Logits (B, T, vocab_size) for every position of idx (B, T): the plain reference path. Given start and
+        length it returns logprobs(idx, start, length, temperature) instead, so that the trainer's pass goes
+        through forward and a DistributedDataParallel wrapper sees it."""
+        if start is not None:
+            return self.logprobs(idx, start, length, temperature)
         return self.lm_head(self._hidden(idx))
 
     def logprobs(self, idx, start, length, temperature=1.0):

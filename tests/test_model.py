@@ -170,6 +170,11 @@ def test_logprobs_match_brute_force_with_chunks_and_grad():
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
 
+def test_forward_with_start_is_the_logprob_path(tiny, reference):
+    idx, start = reference["input_ids"], torch.tensor([3, 9])
+    with torch.no_grad():
+        assert torch.equal(tiny(idx, start, 6, 0.9), tiny.logprobs(idx, start, 6, 0.9))
+
 def test_logprobs_rejects_out_of_range():
     model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=1, n_head=1, n_embd=8))
     with pytest.raises(ValueError, match="start"):
