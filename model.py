@@ -117,7 +117,7 @@ class GPT(nn.Module):
 
     def flops_per_token(self, T, backward=True):
         """Model FLOPs for one token at context length T (PaLM appendix B, as nanoGPT's estimate_mfu): 2 per weight
-        for the matmuls plus 4*T*C per layer for attention scores and mixing; the backward pass doubles it again."""
+        for the matmuls plus 4*T*C per layer for attention scores and mixing; x3 with the backward pass (2x forward)."""
         cfg = self.config
         forward = 2 * self.get_num_params() + 4 * cfg.n_layer * cfg.n_embd * T
         return 3 * forward if backward else forward
