@@ -117,7 +117,8 @@ def naive_generate(model, args, prompts, steps):
     with torch.inference_mode(), autocast(args):
         for _ in range(steps):
             logits = model.lm_head(model._hidden(idx)[:, -1])  # (N, V)
-            idx = torch.cat([idx, sample(logits, generator=g)[0][:, None]], 1)
+            u = torch.rand(idx.size(0), 2, device=args.device, generator=g)
+            idx = torch.cat([idx, sample(logits, u=u)[0][:, None]], 1)
 
 def naive_seconds(model, args, prompts):
     """Time of the naive sampler for args.new_tokens tokens. Its step time grows linearly with the sequence, so

@@ -180,7 +180,8 @@ class GPT(nn.Module):
         eos_id (0 if None), mask is False and logprobs 0. logprobs is the log-prob of each token under the full
         softmax(logits / temperature), the same number logprobs() computes, so the on-policy ratio is exactly 1;
         top_k/top_p only restrict which tokens can be drawn (see sample). temperature=0 is greedy, with log-probs
-        reported at temperature 1.
+        reported at temperature 1. generator: one torch.Generator for the whole batch, or a list of one per prompt,
+        whose draws then depend on nothing else: a prompt gets the same samples alone or in any batch.
 
         Each prompt is prefilled once, straight into the cache rows of its samples, right-aligned so that every row
         then decodes at the same cache column; a per-row key mask hides the left padding."""
@@ -218,6 +219,13 @@ class GPT(nn.Module):
             h = self._hidden(torch.tensor(p, device=dev)[None], kv=kv[:, :, rows], col=P - len(p))  # (1, len, C)
             logits[rows] = self.lm_head(h[:, -1])  # one row of logits, which each sample row draws from on its own
 
+        # every uniform the sampler will use, drawn up front: two per row and step (see _draw)
+        if isinstance(generator, (list, tuple)):
+            if len(generator) != len(prompts):
+                raise ValueError(f"{len(generator)} generators for {len(prompts)} prompts; give one per prompt")
+            u = torch.cat([torch.rand(max_new_tokens, G, 2, device=dev, generator=g) for g in generator], 1)
+        else:
+            u = torch.rand(max_new_tokens, N, 2, device=dev, generator=generator)  # (steps, N, 2)
         fill = 0 if eos_id is None else eos_id
         tokens = torch.full((max_new_tokens, N), fill, device=dev)  # step-major: each step writes one row
         logps = torch.zeros(max_new_tokens, N, device=dev)
@@ -225,7 +233,7 @@ class GPT(nn.Module):
         done = torch.zeros(N, dtype=torch.bool, device=dev)
         check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
         for t in range(max_new_tokens):
-            tok, lp = sample(logits, temperature, top_k, top_p, generator)  # (n,), (n,)
+            tok, lp = sample(logits, temperature, top_k, top_p, u[t].index_select(0, live))  # (n,), (n,)
             tokens[t].index_copy_(0, live, tok.masked_fill(done, fill))
             logps[t].index_copy_(0, live, lp.masked_fill(done, 0.0))
             if eos_id is not None:
@@ -255,8 +263,9 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None):
-        """Load a Hugging Face GPT-2 directory (config.json + model.safetensors, any size) as float32, then move it to
-        device/dtype if given."""
+        """Load a Hugging Face GPT-2 directory (config.json + model.safetensors, any size) in dtype (default
+        float32; the weights are copied into parameters of that dtype, so a float64 checkpoint loads exactly), then
+        move it to device if given."""
         config_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
         for f in (config_file, weights_file):
             if not os.path.isfile(f):
@@ -278,7 +287,7 @@ class GPT(nn.Module):
                 or hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("tie_word_embeddings", True)):
             raise ValueError(f"{config_file}: unsupported GPT-2 variant (needs activation gelu_new, "
                              f"layer_norm_epsilon 1e-5, n_inner 4*n_embd, tied embeddings, unscaled attention)")
-        model = cls(GPTConfig(**{ours: hf[theirs] for ours, theirs in keys.items()}, bias=True))
+        model = cls(GPTConfig(**{ours: hf[theirs] for ours, theirs in keys.items()}, bias=True)).to(dtype=dtype)
 
         ours = model.state_dict()  # shares storage with the parameters
         tensors, loaded = load_file(weights_file), set()
@@ -301,7 +310,7 @@ class GPT(nn.Module):
         if head is not None and not torch.equal(head.to(ours["lm_head.weight"].dtype), ours["lm_head.weight"]):
             raise ValueError(f"{weights_file}: lm_head.weight differs from transformer.wte.weight; "
                              f"only GPT-2 with tied embeddings is supported")
-        return model.to(device=device, dtype=dtype)
+        return model.to(device=device)
 
     def save_pretrained(self, path):
         """Write config.json + model.safetensors in the Hugging Face GPT-2 layout, each file atomically. HF GPT-2
@@ -335,38 +344,39 @@ def _atomic_write(file, data):
 # -----------------------------------------------------------------------------
 # sampling
 
-def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
     """Draw one token per row of logits (B, V) from softmax(logits / temperature), restricted to the top_k most
     likely tokens and then to the smallest set of them holding top_p of their mass, and return (tokens (B,) long,
     log-probs (B,) float32). The log-prob is under the full temperature softmax, not the restricted one: the
     policy's own probability, as logprobs() computes it. temperature=0 is greedy (log-probs at temperature 1).
-    top_p without top_k sorts the whole vocabulary, which is slow on CPU; a top_k as well keeps it cheap."""
+    top_p without top_k sorts the whole vocabulary, which is slow on CPU; a top_k as well keeps it cheap.
+    u (B, 2): the two uniforms in [0, 1) each row's draw uses; by default from torch's global generator."""
     x = logits.float()
+    u = torch.rand(x.size(0), 2, device=x.device) if u is None else u
     if temperature not in (0, 1):
         x = x / temperature
     p = torch.softmax(x, -1)  # (B, V) one fused pass; an exp of its own is several times slower on CPU
     if temperature == 0:
         tok = x.argmax(-1, keepdim=True)
     elif top_k is None and top_p is None:
-        tok = _draw(p, generator)
+        tok = _draw(p, u)
     else:
         # candidates sorted by probability, so the top_p cut is a prefix
         w, idx = p.topk(min(top_k, p.size(-1))) if top_k is not None else p.sort(-1, descending=True)  # (B, k)
         if top_p is not None:  # keep a token while the mass before it is < top_p of the candidates' mass
             w = w.masked_fill(w.cumsum(-1) - w >= top_p * w.sum(-1, keepdim=True), 0.0)
-        tok = idx.gather(1, _draw(w, generator))
+        tok = idx.gather(1, _draw(w, u))
     return tok.squeeze(1), p.gather(1, tok).log().squeeze(1)
 
-def _draw(w, generator):
+def _draw(w, u):
     """Exact inverse-CDF draw of one index (B, 1) per row of nonnegative weights w (B, V). A cumsum over the whole
     vocabulary is slow (it is sequential), so draw in two levels: a block of ~sqrt(V) tokens by its mass, then a
-    token inside the block by its weight, each with its own uniform: ~200x cheaper than torch.multinomial at
+    token inside the block by its weight, each with its own uniform of u (B, 2): ~200x cheaper than torch.multinomial at
     64 x 50304 on a CPU core."""
     B, V = w.shape
     bs = math.isqrt(V - 1) + 1  # block size
     full = V // bs * bs
     mass = torch.cat([w[:, :full].view(B, -1, bs).sum(-1), w[:, full:].sum(-1, keepdim=True)], 1)  # (B, nb)
-    u = torch.rand(B, 2, device=w.device, generator=generator)
     block = _search(mass.cumsum(-1), u[:, :1])  # (B, 1)
     cols = block * bs + torch.arange(bs, device=w.device)  # (B, bs) the block's token ids
     inside = w.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0)  # (B, bs) the last block may be short

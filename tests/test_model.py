@@ -33,13 +33,14 @@ def record_logits(model):
 
 def uncached_generate(model, prompts, steps, num_samples=1, temperature=0.0, generator=None):
     """Reference decoder: every row recomputes its whole sequence alone each step; tokens are drawn with the same
-    sample() over all rows at once so a seeded generator is consumed exactly like generate's."""
+    sample() over all rows at once, from uniforms drawn up front exactly as generate draws them."""
     seqs = [list(p) for p in prompts for _ in range(num_samples)]
+    u = torch.rand(steps, len(seqs), 2, generator=generator)
     tokens, logps, logits_seen = [], [], []
-    for _ in range(steps):
+    for t in range(steps):
         with torch.no_grad():
             logits = torch.stack([model(torch.tensor(s)[None])[0, -1] for s in seqs])  # (N, V)
-        tok, lp = sample(logits, temperature, generator=generator)
+        tok, lp = sample(logits, temperature, u=u[t])
         for s, t in zip(seqs, tok.tolist()):
             s.append(t)
         tokens.append(tok), logps.append(lp), logits_seen.append(logits)
@@ -107,6 +108,20 @@ def test_ragged_batch_equals_each_prompt_alone(tiny):
         L = t.size(1)
         assert torch.equal(tokens[row, :L], t[0]) and torch.equal(mask[row, :L], m[0]) and not mask[row, L:].any()
         torch.testing.assert_close(logps[row, :L], lp[0], atol=1e-5, rtol=0)
+
+def test_per_prompt_generators_make_samples_independent_of_the_batch(tiny):
+    """With one generator per prompt, a prompt's samples are the same alone or batched with others: the trainer's
+    rollouts then do not depend on how prompts are spread over ranks."""
+    gens = lambda ids: [torch.Generator().manual_seed(1000 + i) for i in ids]
+    eos = 226
+    tokens, mask, logps = tiny.generate(PROMPTS, 12, num_samples=3, eos_id=eos, generator=gens(range(len(PROMPTS))))
+    for i, prompt in enumerate(PROMPTS):
+        t, m, lp = tiny.generate([prompt], 12, num_samples=3, eos_id=eos, generator=gens([i]))
+        rows, L = slice(3 * i, 3 * i + 3), t.size(1)
+        assert torch.equal(tokens[rows, :L], t) and torch.equal(mask[rows, :L], m) and not mask[rows, L:].any()
+        torch.testing.assert_close(logps[rows, :L], lp, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="2 generators for 3 prompts; give one per prompt"):
+        tiny.generate(PROMPTS[:3], 4, generator=gens(range(2)))
 
 @pytest.mark.parametrize("top_k, top_p", [(None, None), (20, 0.9)])
 def test_generate_logprobs_match_trainer_path(tiny, top_k, top_p):
@@ -215,7 +230,7 @@ def test_sampler_chi_square(V, temperature, top_k, top_p):
     dists = [torch.linspace(-2.0, 1.5, V), torch.tensor([0.3 * ((7 * i) % V) for i in range(V)])]
     n = 40000
     logits = torch.stack(dists).repeat(n // 2, 1)  # (n, V)
-    tok, lp = sample(logits, temperature, top_k, top_p, torch.Generator().manual_seed(1234))
+    tok, lp = sample(logits, temperature, top_k, top_p, torch.rand(n, 2, generator=torch.Generator().manual_seed(1234)))
     for d in range(2):
         probs = expected_probs(dists[d].tolist(), temperature, top_k, top_p)
         counts = torch.bincount(tok[d::2], minlength=V).tolist()
@@ -244,6 +259,9 @@ def test_save_load_round_trip_is_exact(tmp_path):
     assert loaded.config == model.config
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    model.double().save_pretrained(tmp_path / "f64")  # float64 (the trainer's exactness tests) round-trips too
+    loaded = GPT.from_pretrained(tmp_path / "f64", dtype=torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
 
 def test_save_reproduces_the_hugging_face_files(tiny, tmp_path):
     tiny.save_pretrained(tmp_path)

@@ -1,0 +1,102 @@
+"""
+Checkpoints that survive SIGKILL at any moment.
+
+    out_dir/latest            one line: the name of the newest complete checkpoint directory
+    out_dir/ckpt-000040/      model.safetensors + config.json (Hugging Face layout: load it with the usual tools)
+                              optimizer.safetensors (AdamW moments), trainer.json (iteration, step, config)
+                              ref/ (the frozen reference model, only when beta > 0)
+
+A checkpoint is written into a temporary directory, every file fsync'd, the directory renamed into place, and only
+then `latest` is switched to it (write + fsync + rename, atomic on POSIX). A kill before the switch leaves the previous
+checkpoint as `latest`; older checkpoints are removed only after the switch. Nothing is ever unpickled: tensors are
+safetensors, the rest JSON.
+"""
+import json
+import os
+import shutil
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path, obj):
+    """Atomically write obj as JSON to path (temp file in the same directory, fsync, rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, 'w') as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def read_json(path):
+    """The JSON object at path, or None if the file does not exist."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); delete it or restore it from a backup") from None
+
+
+def save(out_dir, it, model, optimizer, ref_model, trainer_state):
+    """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then."""
+    name = f"ckpt-{it:06d}"
+    final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed mid-write
+    model.save_pretrained(tmp)
+    if ref_model is not None:
+        ref_model.save_pretrained(os.path.join(tmp, 'ref'))
+    sd = optimizer.state_dict()
+    tensors = {f"{i}.{k}": v.contiguous() for i, s in sd['state'].items() for k, v in s.items()}
+    save_file(tensors, os.path.join(tmp, 'optimizer.safetensors'))
+    with open(os.path.join(tmp, 'optimizer.safetensors'), 'rb') as f:
+        os.fsync(f.fileno())
+    write_json(os.path.join(tmp, 'optimizer.json'), sd['param_groups'])
+    write_json(os.path.join(tmp, 'trainer.json'), dict(trainer_state, iter=it))
+    shutil.rmtree(final, ignore_errors=True)  # a same-named leftover that `latest` does not point to
+    os.rename(tmp, final)
+    fsync_dir(out_dir)
+    write_json(os.path.join(out_dir, 'latest'), name)
+    for old in os.listdir(out_dir):  # only now is it safe to drop the older checkpoints
+        if old.startswith('ckpt-') and old != name or old.startswith('.ckpt-'):
+            shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+
+
+def load_state(out_dir):
+    """The latest checkpoint's trainer state, with 'dir' set to its directory."""
+    name = read_json(os.path.join(out_dir, 'latest'))
+    if name is None:
+        raise FileNotFoundError(f"no checkpoint in {out_dir} (no 'latest' file); start with init_from='scratch'")
+    path = os.path.join(out_dir, str(name))
+    state = read_json(os.path.join(path, 'trainer.json'))
+    if state is None:
+        raise FileNotFoundError(f"{path}/trainer.json is missing: the checkpoint is incomplete; "
+                                f"restore it or start with init_from='scratch'")
+    return dict(state, dir=path)
+
+
+def load_optimizer(path, optimizer):
+    """Load the AdamW state saved by save() into optimizer (which must have the same parameter groups)."""
+    file = os.path.join(path, 'optimizer.safetensors')
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} cannot be read ({e}); the checkpoint is damaged, restore it or start "
+                         f"with init_from='scratch'") from None
+    state = {}
+    for key, value in tensors.items():
+        i, k = key.split('.', 1)
+        state.setdefault(int(i), {})[k] = value
+    optimizer.load_state_dict(dict(state=state, param_groups=read_json(os.path.join(path, 'optimizer.json'))))

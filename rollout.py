@@ -1,0 +1,144 @@
+"""
+Rollout: a step's prompts in, the batch the loss needs out.
+
+For each prompt the policy samples G = num_generations completions (model.generate prefills the prompt once and
+decodes all G*prompts rows together), reward functions score them, and loss.group_advantages turns each group's
+rewards into advantages. What comes back holds, per completion row:
+
+    idx        (B, T)  prompt + completion, right-padded: what model.logprobs reads
+    start      (B,)    prompt length = index of the first completion token in idx
+    mask       (B, C)  1 on completion tokens that count in the loss (C = max_completion_length)
+    old_logps  (B, C)  log-probs of the sampled tokens under the sampling policy (the ratio's denominator)
+    ref_logps  (B, C)  log-probs under the frozen reference model, only when beta > 0
+    advantages (B,)
+
+Randomness is per prompt, not per rank: prompt j of iteration `it` is sampled from its own generator seeded by
+(seed, it, j). So a prompt gets the same completions whichever rank, batch or resume it lands in, and a run on
+1 GPU and on 8 sees the same rollouts (up to float rounding of the logits).
+"""
+import torch
+import torch.distributed as dist
+
+from loss import group_advantages, kl_divergence
+from reward import compute_rewards
+
+
+def prompt_seed(*key):
+    """A 63-bit seed from a tuple of ints, e.g. (seed, iteration, prompt id): python's hash of ints and tuples of
+    ints is the same in every process and run (only str hashes are randomised)."""
+    return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def gather(t):
+    """Concatenate a tensor across ranks along dim 0 (identity on one process). Every rank holds equal rows."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
+    """Sample completions for rows (dicts with 'prompt'); returns prompt ids and (N, C) tokens, mask, logps."""
+    G = num_samples or cfg.num_generations
+    C = cfg.max_completion_length
+    device = next(model.parameters()).device
+    prompts = [enc.encode_ordinary(r['prompt']) for r in rows]
+    gens = [torch.Generator(device).manual_seed(s) for s in seeds]
+    temperature = cfg.temperature if temperature is None else temperature
+    with torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
+        tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
+                                             top_p=cfg.top_p, eos_id=enc.eot_token, generator=gens)
+    pad = C - tokens.shape[1]  # generate stops early when every row is done; the loss wants a fixed width C
+    tokens = torch.nn.functional.pad(tokens, (0, pad), value=enc.eot_token)
+    mask = torch.nn.functional.pad(mask, (0, pad), value=False)
+    logps = torch.nn.functional.pad(logps.float(), (0, pad))
+    return prompts, tokens, mask, logps
+
+
+def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=None):
+    """Decode and score completions. Returns rewards (N,) with NaN = not applicable, truncated (N,), texts, per-fn."""
+    G = num_samples or cfg.num_generations
+    ids = [t[:n] for t, n in zip(tokens.tolist(), mask.sum(1).tolist())]
+    completions = [enc.decode(c[:-1] if c and c[-1] == enc.eot_token else c) for c in ids]
+    truncated = [len(c) == cfg.max_completion_length and c[-1] != enc.eot_token for c in ids]
+    columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != 'prompt'}
+    columns.update(completion_ids=ids, truncated=truncated, max_completion_length=cfg.max_completion_length)
+    prompts = [r['prompt'] for r in rows for _ in range(G)]
+    total, per_fn = compute_rewards(reward_fns, reward_weights, prompts, completions, columns)
+    rewards = torch.tensor([float('nan') if r is None else r for r in total], dtype=torch.float64)
+    return rewards, torch.tensor(truncated), completions, per_fn
+
+
+def rollout(model, ref_model, rows, it, rank, cfg, enc, reward_fns, reward_weights, resample):
+    """
+    rows: this rank's prompt rows for iteration `it`, each with a global '_id'. resample(n, round) -> n more rows
+    (used by dynamic sampling). Returns (batch, info): batch as in the module docstring (on the model's device),
+    info with rewards, texts and counts for logging.
+    """
+    G, C = cfg.num_generations, cfg.max_completion_length
+    device = next(model.parameters()).device
+    kept, dropped, rounds = [], 0, 0
+    while True:  # one pass without dynamic sampling; with it, refill until the batch holds informative groups
+        prompts, tokens, mask, logps = sample(model, rows, [prompt_seed(cfg.seed, it, r['_id']) for r in rows],
+                                              cfg, enc)
+        rewards, truncated, texts, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights)
+        groups = [dict(row=rows[g], prompt=prompts[g], tokens=tokens[g * G:(g + 1) * G], mask=mask[g * G:(g + 1) * G],
+                       logps=logps[g * G:(g + 1) * G], rewards=rewards[g * G:(g + 1) * G],
+                       truncated=truncated[g * G:(g + 1) * G], texts=texts[g * G:(g + 1) * G])
+                  for g in range(len(rows))]
+        if not cfg.dynamic_sampling:
+            kept = groups
+            break
+        # DAPO dynamic sampling: a group whose rewards are all equal has zero advantage and teaches nothing
+        flat = [torch.nan_to_num(g['rewards'], nan=0.0).unique().numel() == 1 for g in groups]
+        dropped += sum(flat)
+        kept += [g for g, f in zip(groups, flat) if not f]
+        want = cfg.prompts_per_step // cfg.world_size
+        if len(kept) >= want or rounds == cfg.max_resample_rounds:
+            # out of rounds: fill up with flat groups (advantage 0) so every rank keeps the same number of rows
+            kept = (kept + [g for g, f in zip(groups, flat) if f])[:want]
+            break
+        rounds += 1
+        rows = resample(want - len(kept), rounds)
+    cat = lambda key: torch.cat([g[key] for g in kept])
+    tokens, mask, old_logps, rewards, truncated = cat('tokens'), cat('mask'), cat('logps'), cat('rewards'), cat('truncated')
+    lengths = mask.sum(1)  # completion lengths before any loss masking, for logging
+
+    # right-padded prompt + completion rows: causal attention never looks at the padding on the right
+    prompt_lens = [len(g['prompt']) for g in kept for _ in range(G)]
+    T = max(prompt_lens) + C
+    idx = torch.full((len(prompt_lens), T), enc.eot_token, dtype=torch.long)
+    for b, (g, n) in enumerate(zip([g for g in kept for _ in range(G)], prompt_lens)):
+        idx[b, :n] = torch.tensor(g['prompt'])
+        idx[b, n:n + C] = tokens[b]
+    start = torch.tensor(prompt_lens)
+    batch = dict(idx=idx.to(device), start=start.to(device), mask=mask.to(device), old_logps=old_logps.to(device))
+    if cfg.top_k is not None or cfg.top_p is not None or cfg.autocast:
+        # sampling log-probs came from a truncated or low-precision softmax: the ratio needs the trainer's own
+        batch['old_logps'] = logprobs(model, batch, cfg)
+    if ref_model is not None:
+        batch['ref_logps'] = logprobs(ref_model, batch, cfg)
+    if cfg.mask_truncated_completions:  # DAPO overlong filtering: a cut-off answer is neither right nor wrong
+        batch['mask'] = batch['mask'] & ~truncated.to(device)[:, None]
+
+    # advantages over the whole step's groups (all ranks), so 'batch' std scaling is the same on any layout
+    shaped = rewards.clone()
+    if cfg.kl_in_reward:  # PPO-style: the KL penalty is part of the reward, before the group comparison
+        kl = kl_divergence(batch['old_logps'], batch['ref_logps'], cfg.kl_estimator)  # (B, C)
+        shaped -= cfg.beta * (kl * batch['mask']).sum(1).double().cpu()
+    all_shaped = gather(shaped.to(device)).cpu()
+    advantages = group_advantages(all_shaped, G, cfg.scale_rewards)
+    B = len(shaped)
+    batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
+    info = dict(rewards=rewards, lengths=lengths, truncated=truncated, dropped_groups=dropped, resample_rounds=rounds,
+                per_fn={k: v for k, v in per_fn.items()}, samples=[(g['row']['prompt'], g['texts'][0]) for g in kept])
+    return batch, info
+
+
+@torch.inference_mode()
+def logprobs(model, batch, cfg):
+    """Log-probs of the batch's completion tokens under model (no grad), at the sampling temperature."""
+    with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
+        out = model.logprobs(batch['idx'], batch['start'], cfg.max_completion_length, cfg.temperature)
+    return out.float()

@@ -1,0 +1,33 @@
+"""
+Run train.py several times in one process, as `python train.py ARGS` would, one ARGS list per entry of a JSON file:
+
+$ python tests/multi_run.py runs.json
+$ torchrun --standalone --nproc_per_node=2 tests/multi_run.py runs.json
+
+Under torchrun every rank runs every entry, so each run is a real DDP run of train.py's own code (it initialises and
+destroys its process group each time); only the interpreter and torch start-up are shared, which keeps the
+split-invariance and resume tests fast. An entry may carry "diverge": true to nudge rank 1's weights after each
+optimizer step (the test of the ranks' checksum).
+"""
+import json
+import os
+import runpy
+import sys
+
+import torch
+
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, root)
+for run in json.load(open(sys.argv[1])):
+    args = run['args'] if isinstance(run, dict) else run
+    if isinstance(run, dict) and run.get('diverge') and os.environ.get('RANK') == '1':
+        step = torch.optim.AdamW.step
+
+        def nudged(self, *a, **k):
+            out = step(self, *a, **k)
+            with torch.no_grad():
+                self.param_groups[0]['params'][0].add_(1e-3)
+            return out
+        torch.optim.AdamW.step = nudged
+    sys.argv = [os.path.join(root, 'train.py'), *args]
+    runpy.run_path(sys.argv[0], run_name='__main__')

@@ -1,0 +1,438 @@
+"""
+The GRPO training loop: rollout, reward, advantages, a few optimizer steps, repeat.
+
+One process (CPU or one GPU):
+$ python train.py config/dr_grpo.py
+DDP on one machine (gloo on CPU, nccl on GPUs):
+$ torchrun --standalone --nproc_per_node=2 train.py config/dr_grpo.py
+Several machines, e.g. 2 nodes of 8 GPUs (run on each node, the same HOST:PORT of the first node on both):
+$ torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py config/grpo_gpt2.py
+
+Batch arithmetic, per iteration (one rollout):
+    prompts_per_step prompts (split across ranks) x num_generations completions = the rollout batch
+    the rollout batch is cut into steps_per_generation optimizer steps, each over micro-batches of micro_batch_size
+    on every rank (gradient accumulation), and the whole thing is repeated num_iterations (mu) times.
+loss.py's step-wide normalisers are summed over ranks and micro-batches, so the update is the same whatever the
+split: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameters.
+"""
+import copy
+import json
+import math
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import checkpoint
+from configurator import check_config, configure
+from data import default_reward, get_tokenizer, load_dataset
+from loss import grpo_loss
+from model import GPT, GPTConfig
+from reward import get_reward_fns, pass_at_k
+from rollout import gather, prompt_seed, rollout, sample, score
+
+# -----------------------------------------------------------------------------
+# default config values: the default task, learnt by a tiny model on a laptop CPU
+# I/O
+out_dir = 'out'
+eval_interval = 10  # iterations between held-out evaluations (also at the start and the end); 0 = none
+eval_size = 128  # held-out prompts for greedy accuracy and pass@k
+save_interval = 10  # iterations between checkpoints (also at the end)
+init_from = 'scratch'  # 'scratch', 'resume' (from out_dir) or a Hugging Face GPT-2 directory
+wandb_log = False  # disabled by default
+wandb_project = 'nanogrpo'
+wandb_run_name = 'grpo'
+# data
+task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "answer"} rows
+task_options = {}  # a built-in task's options, e.g. {'digits': 2} (see data.py)
+test_task = ''  # held-out data: '' = the task's own test split
+tokenizer = 'bytes'  # 'bytes' (257 tokens, built locally) or 'gpt2' (tiktoken, for GPT-2 weights)
+reward_funcs = ()  # reward function names from reward.py; () = the task's default
+reward_weights = ()  # one weight per reward function; () = all 1
+# model, when init_from='scratch'
+n_layer = 4
+n_head = 4
+n_embd = 128
+block_size = 64
+dropout = 0.0
+bias = True
+# supervised warm start on the task's answers (a cold start, as in DeepSeek-R1), cached in out_dir/warmstart:
+# GRPO learns only from groups whose rewards differ, so a policy that never gets a reward learns nothing
+sft_iters = 200
+sft_batch_size = 64
+sft_learning_rate = 1e-3
+# rollout
+prompts_per_step = 16  # prompts per iteration, over all ranks
+num_generations = 8  # G: completions per prompt
+max_completion_length = 8
+temperature = 1.0  # sampling temperature; the loss's log-probs use it too, so the ratio is about the same policy
+top_k = None
+top_p = None
+mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
+dynamic_sampling = False  # DAPO: resample prompts whose groups all got the same reward
+max_resample_rounds = 4
+# loss (see loss.py for what each knob means and which paper it comes from)
+loss_type = 'dr_grpo'
+scale_rewards = 'none'
+beta = 0.0  # KL coefficient; 0 = no reference model at all
+kl_estimator = 'k3'
+kl_in_reward = False
+epsilon_low = 0.2
+epsilon_high = 0.2
+delta = None
+surrogate = 'clip'
+importance_sampling_level = 'token'
+# optimization
+num_iterations = 1  # mu: passes over each rollout batch
+steps_per_generation = 1  # optimizer steps per pass
+micro_batch_size = 32  # completions per forward/backward on each rank
+max_iters = 100  # rollouts
+learning_rate = 1e-4
+weight_decay = 0.0
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0  # 0 = off
+warmup_iters = 0  # optimizer steps of linear warmup
+lr_schedule = 'constant'  # or 'cosine' (down to min_lr_ratio * learning_rate)
+min_lr_ratio = 0.1
+ref_sync_every = 0  # copy the policy into the reference model every N iterations; 0 = never
+max_bad_steps = 3  # stop after this many non-finite steps in a row
+# system
+device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
+dtype = 'float32'  # 'float32', 'float64' (exactness tests), 'bfloat16'/'float16' (autocast)
+compile = False
+seed = 1337
+peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at start
+
+
+def _user_error(kind, value, tb):  # bad input is one line, a bug keeps its traceback
+    if issubclass(kind, (ValueError, FileNotFoundError)):
+        print(f"error: {value}", file=sys.stderr)
+    else:
+        sys.__excepthook__(kind, value, tb)
+sys.excepthook = _user_error
+config = configure(globals(), sys.argv[1:])
+globals().update(config)
+# -----------------------------------------------------------------------------
+
+ddp = int(os.environ.get('RANK', -1)) != -1
+if ddp:
+    use_cuda = torch.cuda.is_available() and device != 'cpu'
+    dist.init_process_group(backend='nccl' if use_cuda else 'gloo')
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+else:
+    rank, world_size = 0, 1
+if device == 'auto':
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+device_type = 'cuda' if 'cuda' in device else 'cpu'
+master = rank == 0
+check_config(config, world_size)
+autocast = dtype in ('bfloat16', 'float16')
+cfg = SimpleNamespace(**config, world_size=world_size, autocast=autocast, ptdtype=getattr(torch, dtype))
+param_dtype = torch.float64 if dtype == 'float64' else torch.float32
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.backends.cudnn.allow_tf32 = True
+
+# data and rewards: everything that can be wrong with them fails here, before any work
+enc = get_tokenizer(tokenizer)
+train_rows = load_dataset(task, 'train', seed=seed, **task_options)
+test_rows = load_dataset(test_task or task, 'test', seed=seed, size=eval_size, **task_options)
+names, weights = default_reward(task, train_rows) if not reward_funcs else (reward_funcs, reward_weights or
+                                                                          (1.0,) * len(reward_funcs))
+reward_fns, reward_weights = get_reward_fns(names), list(weights)  # the first one is the accuracy of the logs
+if len(train_rows) < prompts_per_step:
+    raise ValueError(f"{task} has {len(train_rows)} prompts but prompts_per_step={prompts_per_step}; "
+                     f"lower prompts_per_step or add data")
+for rows, name in ((train_rows, task), (test_rows, test_task or task)):
+    longest = max(len(enc.encode_ordinary(r['prompt'])) for r in rows)
+    if longest + max_completion_length > block_size:
+        raise ValueError(f"{name}: longest prompt is {longest} tokens, + max_completion_length={max_completion_length} "
+                         f"> block_size={block_size}; shorten prompts or max_completion_length, or raise block_size")
+
+
+def step_rows(it):
+    """This rank's prompts of iteration it: a seeded reshuffle of the train set each epoch, cut across ranks."""
+    out = []
+    for pos in range(it * prompts_per_step, (it + 1) * prompts_per_step):
+        epoch, i = divmod(pos, len(train_rows))
+        perm = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(dict(train_rows[perm[i]], _id=pos))
+    per_rank = prompts_per_step // world_size
+    return out[rank * per_rank:(rank + 1) * per_rank]
+
+
+def resample_rows(it):
+    """Dynamic sampling's extra prompts at iteration it: random train rows, seeded by (it, rank, round)."""
+    def more(n, round_):
+        g = torch.Generator().manual_seed(prompt_seed(seed, it, rank, round_))
+        return [dict(train_rows[i], _id=(rank, round_, k))
+                for k, i in enumerate(torch.randint(len(train_rows), (n,), generator=g).tolist())]
+    return more
+
+
+# model
+if init_from == 'resume':
+    state = checkpoint.load_state(out_dir)
+    model = GPT.from_pretrained(state['dir'], dtype=param_dtype)
+elif init_from == 'scratch':
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=enc.n_vocab, n_layer=n_layer, n_head=n_head,
+                          n_embd=n_embd, dropout=dropout, bias=bias))
+else:
+    model = GPT.from_pretrained(init_from, dtype=param_dtype)
+if model.config.vocab_size < enc.n_vocab:
+    raise ValueError(f"the model's vocab_size {model.config.vocab_size} < tokenizer '{tokenizer}' n_vocab "
+                     f"{enc.n_vocab}; pick the tokenizer the model was trained with")
+if model.config.block_size < block_size:
+    raise ValueError(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower block_size")
+torch.manual_seed(seed)  # every rank starts from the same weights (scratch init), then DDP keeps them equal
+model.to(device=device, dtype=param_dtype)
+raw_model = model
+if compile:
+    model = torch.compile(model)
+if ddp:
+    model = DDP(model, device_ids=[int(device.split(':')[1])] if device_type == 'cuda' else None)
+
+
+def make_optimizer(lr):
+    # weight decay on matrices only (nanoGPT); fused AdamW on CUDA saves a kernel launch per parameter
+    params = [p for p in raw_model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), fused=device_type == 'cuda')
+
+
+def all_sum(x):
+    """Sum a tensor over ranks (in place on a copy); identity on one process."""
+    x = x.clone()
+    if ddp:
+        dist.all_reduce(x)
+    return x
+
+
+def warm_start():
+    """Supervised cold start on the train answers, cached in out_dir/warmstart (reused while its config matches)."""
+    keys = ('task', 'task_options', 'tokenizer', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',
+            'sft_learning_rate', 'seed')
+    spec = {k: config[k] for k in keys}
+    path = os.path.join(out_dir, 'warmstart')
+    if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:
+        raw_model.load_state_dict(GPT.from_pretrained(path, dtype=param_dtype).state_dict())
+        return 'loaded'
+    opt = make_optimizer(sft_learning_rate)
+    eot = enc.eot_token
+    for i in range(sft_iters):
+        g = torch.Generator().manual_seed(prompt_seed(seed, -2, i))
+        picks = torch.randint(len(train_rows), (sft_batch_size,), generator=g).tolist()
+        picks = picks[rank::world_size]
+        seqs = [(enc.encode_ordinary(train_rows[j]['prompt']), enc.encode_ordinary(train_rows[j]['answer']) + [eot])
+                for j in picks]
+        L = max(len(a) for _, a in seqs)
+        idx = torch.full((len(seqs), max(len(p) for p, _ in seqs) + L), eot, dtype=torch.long)
+        mask = torch.zeros(len(seqs), L)
+        for b, (p, a) in enumerate(seqs):
+            idx[b, :len(p) + len(a)] = torch.tensor(p + a)
+            mask[b, :len(a)] = 1
+        start = torch.tensor([len(p) for p, _ in seqs])
+        with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
+            logps = model(idx.to(device), start.to(device), L)  # (B, L) through DDP's forward
+        mask = mask.to(device, logps.dtype)
+        loss = -(logps * mask).sum() / all_sum(mask.sum()) * world_size  # token mean over all ranks
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if master:
+        raw_model.save_pretrained(path)
+        checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
+    return f'trained {sft_iters} iters'
+
+
+@torch.no_grad()
+def evaluate():
+    """Held-out greedy accuracy and unbiased pass@k (k = 1, 2, 4.. up to G), with a few completions."""
+    rows = test_rows[rank::world_size]
+    seeds = [prompt_seed(seed, -1, j) for j in range(rank, len(test_rows), world_size)]  # the same draws every eval
+    _, tokens, mask, _ = sample(raw_model, rows, seeds, cfg, enc, temperature=0.0, num_samples=1)
+    correct, _, texts, _ = score(rows, tokens, mask, cfg, enc, reward_fns[:1], [1.0], num_samples=1)
+    greedy = all_sum(torch.tensor([(correct >= 1).sum().item(), len(rows)], dtype=torch.float64))
+    G = num_generations
+    _, tokens, mask, _ = sample(raw_model, rows, seeds, cfg, enc)
+    correct, _, _, _ = score(rows, tokens, mask, cfg, enc, reward_fns[:1], [1.0])
+    c = (correct >= 1).view(-1, G).sum(1).tolist()
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= G] + ([G] if G & (G - 1) else [])
+    passk = all_sum(torch.tensor([sum(pass_at_k(G, ci, k) for ci in c) for k in ks], dtype=torch.float64))
+    out = {'eval/greedy_acc': greedy[0].item() / greedy[1].item()}
+    out.update({f'eval/pass@{k}': v / greedy[1].item() for k, v in zip(ks, passk.tolist())})
+    return out, list(zip([r['prompt'] for r in rows], texts))[:3]
+
+
+def get_lr(step, total):
+    if step < warmup_iters:
+        return learning_rate * (step + 1) / (warmup_iters + 1)
+    if lr_schedule == 'constant':
+        return learning_rate
+    ratio = min(1.0, (step - warmup_iters) / max(1, total - warmup_iters))
+    return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * ratio)))
+
+
+def policy_update(batch, optimizer, step, total_steps):
+    """mu passes of steps_per_generation optimizer steps over the rollout batch. Returns (stats, steps, bad)."""
+    B = batch['idx'].shape[0]
+    rows = B // steps_per_generation  # this rank's completions per optimizer step
+    accum = rows // micro_batch_size
+    on_policy = num_iterations == 1 and steps_per_generation == 1  # the sampling policy is the one we update
+    sums, bad = {}, 0
+    for _ in range(num_iterations):
+        for s in range(steps_per_generation):
+            part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
+            # the whole step's normalisers: every micro-batch of every rank divides by the same numbers
+            num_tokens = all_sum(part['mask'].sum().float())
+            for m in range(accum):
+                mb = {k: v[m * micro_batch_size:(m + 1) * micro_batch_size] for k, v in part.items()}
+                if ddp:  # all-reduce the gradients only on the last micro-batch
+                    model.require_backward_grad_sync = m == accum - 1
+                with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
+                    logps = model(mb['idx'], mb['start'], max_completion_length, temperature)  # (b, C)
+                loss, stats = grpo_loss(
+                    logps.float() if autocast else logps, None if on_policy else mb['old_logps'].to(logps.dtype),
+                    mb.get('ref_logps'), mb['advantages'].to(logps.dtype), mb['mask'], loss_type=loss_type,
+                    beta=0.0 if kl_in_reward else beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                    delta=delta, surrogate=surrogate, importance_sampling_level=importance_sampling_level,
+                    kl_estimator=kl_estimator, max_completion_length=max_completion_length,
+                    num_sequences=rows * world_size, num_tokens=num_tokens)
+                (loss * world_size).backward()  # DDP averages over ranks; the loss contract wants the sum
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v.detach().double()
+            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+            # every rank sees the same all-reduced gradient, but a NaN on one rank must stop them all together
+            if all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() > 0:
+                bad += 1
+            else:
+                for group in optimizer.param_groups:
+                    group['lr'] = get_lr(step, total_steps)
+                optimizer.step()
+                step += 1
+            optimizer.zero_grad(set_to_none=True)
+    n = num_iterations * steps_per_generation * accum * world_size
+    stats = dict(zip(sums, (all_sum(torch.stack(list(sums.values()))) / n).tolist()))
+    stats.update(grad_norm=norm.item(), lr=get_lr(max(step - 1, 0), total_steps))
+    return stats, step, bad
+
+
+def peak_flops_measured():
+    """A big matmul's FLOP/s on this device and dtype: the ceiling MFU is measured against."""
+    n = 2048 if device_type == 'cuda' else 1024
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if autocast else param_dtype)
+    best = math.inf
+    for _ in range(4):
+        t = time.time()
+        a @ a
+        if device_type == 'cuda':
+            torch.cuda.synchronize()
+        best = min(best, time.time() - t)
+    return 2 * n ** 3 / best
+
+
+def save(it):
+    # the ranks must hold the same weights; a cheap checksum catches a silent divergence before it is saved
+    weights = torch.stack([p.double().sum() + (p.double() ** 2).sum() for p in raw_model.parameters()])
+    sums = gather(weights[None])
+    if not torch.equal(sums.min(0).values, sums.max(0).values):
+        raise RuntimeError(f"iteration {it}: the ranks' parameters differ (checksums {sums.sum(1).tolist()}); "
+                           f"not saving. This is a bug or a hardware fault; resume from the last checkpoint")
+    if master:
+        checkpoint.save(out_dir, it, raw_model, optimizer, ref_model,
+                        dict(step=step, bad_in_row=bad_in_row, config=config))
+    if ddp:
+        dist.barrier()
+
+
+def log(metrics, line):
+    if not master:
+        return
+    print(line, flush=True)
+    with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
+        f.write(json.dumps(metrics) + '\n')
+    if wandb_log:
+        wandb.log(metrics)
+
+
+# -----------------------------------------------------------------------------
+os.makedirs(out_dir, exist_ok=True)
+if master and wandb_log:
+    import wandb  # only when asked for
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+total_steps = max_iters * num_iterations * steps_per_generation
+optimizer = make_optimizer(learning_rate)
+iter_start, step, bad_in_row = 0, 0, 0
+if init_from == 'resume':
+    iter_start, step, bad_in_row = state['iter'], state['step'], state['bad_in_row']
+    checkpoint.load_optimizer(state['dir'], optimizer)
+elif init_from == 'scratch' and sft_iters > 0:
+    t = time.time()
+    how = warm_start()
+    if master:
+        print(f"warm start: {how} ({time.time() - t:.1f}s)", flush=True)
+ref_model = None
+if beta > 0:  # the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
+    ref_model = GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype) if init_from == 'resume' else \
+        copy.deepcopy(raw_model)
+    ref_model.to(device, param_dtype).eval().requires_grad_(False)
+peak = peak_flops or peak_flops_measured()
+if master:
+    print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
+          f"{prompts_per_step}x{num_generations} completions per iteration", flush=True)
+
+for it in range(iter_start, max_iters + 1):
+    if eval_interval and (it % eval_interval == 0 or it == max_iters):
+        metrics, samples = evaluate()
+        log(dict(metrics, iter=it), f"eval {it}: greedy acc {metrics['eval/greedy_acc']:.3f} | " +
+            " | ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k))
+        for prompt, completion in samples if master else ():
+            print(f"    {prompt!r} -> {completion!r}")
+    if it > iter_start and (it % save_interval == 0 or it == max_iters):
+        save(it)
+    if it == max_iters:
+        break
+    if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:
+        ref_model.load_state_dict(raw_model.state_dict())
+    torch.manual_seed(prompt_seed(seed, it, rank))  # dropout's randomness follows the iteration: resume is exact
+    t0 = time.time()
+    batch, info = rollout(raw_model, ref_model, step_rows(it), it, rank, cfg, enc, reward_fns, reward_weights,
+                          resample_rows(it))
+    t1 = time.time()
+    stats, step, bad = policy_update(batch, optimizer, step, total_steps)
+    t2 = time.time()
+    bad_in_row = bad_in_row + bad if bad else 0
+    if bad_in_row >= max_bad_steps:
+        raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
+                         f"(iteration {it}); the last good checkpoint in {out_dir} is intact. Lower learning_rate "
+                         f"or check the rewards, then resume with init_from='resume'")
+    # logging: everything is summed over ranks first, so the line describes the whole step
+    rewards = gather(info['rewards'].to(device)).cpu()
+    correct = gather(torch.tensor(info['per_fn'][reward_fns[0].__name__], dtype=torch.float64).nan_to_num().to(device))
+    lengths = gather(info['lengths'].to(device)).cpu().double()
+    truncated = gather(info['truncated'].to(device)).cpu().double()
+    flat = (rewards.view(-1, num_generations).nan_to_num().std(1) == 0).double().mean()
+    B, T = batch['idx'].shape
+    gen_tokens = lengths.sum().item()
+    train_tokens = B * T * num_iterations * world_size
+    mfu = train_tokens * raw_model.flops_per_token(T, backward=True) / (t2 - t1) / world_size / peak
+    m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(), acc=(correct >= 1).double().mean().item(),
+             flat_groups=flat.item(), len_mean=lengths.mean().item(), len_max=lengths.max().item(),
+             truncated=truncated.mean().item(), dropped_groups=info['dropped_groups'], bad_steps=bad,
+             rollout_tok_s=gen_tokens / (t1 - t0), train_tok_s=train_tokens / (t2 - t1), mfu=mfu, dt=t2 - t0, **stats)
+    log(m, f"iter {it}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f} | flat {m['flat_groups']:.2f} "
+           f"| len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl {m['kl']:.4f} "
+           f"| clip {m['clip_ratio/region']:.3f} | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} "
+           f"| rollout {m['rollout_tok_s']:.0f} tok/s | train {m['train_tok_s']:.0f} tok/s | mfu {100 * mfu:.1f}% "
+           f"| {m['dt']:.2f}s" + (f" | {bad} non-finite step(s) skipped" if bad else ""))
+
+if ddp:
+    dist.destroy_process_group()
