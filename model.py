@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 # HF stores these as Conv1D weights, (in, out): the transpose of an nn.Linear weight
@@ -290,7 +291,11 @@ class GPT(nn.Module):
         model = cls(GPTConfig(**{ours: hf[theirs] for ours, theirs in keys.items()}, bias=True)).to(dtype=dtype)
 
         ours = model.state_dict()  # shares storage with the parameters
-        tensors, loaded = load_file(weights_file), set()
+        try:
+            tensors, loaded = load_file(weights_file), set()
+        except SafetensorError as e:  # truncated or not a safetensors file at all
+            raise ValueError(f"{weights_file} cannot be read ({e}); the file is damaged or not safetensors: "
+                             f"restore it or save the model again") from None
         for key, t in tensors.items():
             name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key  # old files: no prefix
             if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":

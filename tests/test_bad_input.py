@@ -1,0 +1,145 @@
+"""
+A catalogue of bad input, through `python train.py` as a user types it: each case must exit non-zero with one line
+`error: ...` that says what is wrong (asserted), no traceback, and leave an existing checkpoint untouched.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'tiny-gpt2-a')
+TINY = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--sft_iters=2', '--sft_batch_size=8', '--prompts_per_step=4',
+        '--num_generations=4', '--micro_batch_size=4', '--eval_size=8', '--eval_interval=0',
+        "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16']
+
+REWARDS = '''
+import math
+def raises(prompts, completions, **kw):
+    return [1.0 / (len(c) - len(c)) if c == completions[-1] else 0.0 for c in completions]
+def short(prompts, completions, **kw):
+    return [0.0] * (len(completions) - 1)
+def nan(prompts, completions, **kw):
+    return [math.nan for c in completions]
+def text(prompts, completions, **kw):
+    return ['good' for c in completions]
+'''
+
+
+def write_files(d):
+    """Everything the cases point at: data files, broken checkpoints, a reward module."""
+    (d / 'rewards_mod.py').write_text(REWARDS)
+    (d / 'bad_json_train.jsonl').write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4\n')
+    (d / 'no_answer_train.jsonl').write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    (d / 'empty_train.jsonl').write_text('')
+    (d / 'few_train.jsonl').write_text(''.join(json.dumps({'prompt': f'{i}+1=', 'answer': str(i + 1)}) + '\n'
+                                               for i in range(3)))
+    (d / 'few_test.jsonl').write_text((d / 'few_train.jsonl').read_text())
+    (d / 'long_train.jsonl').write_text(json.dumps({'prompt': '9' * 40 + '+1=', 'answer': '1'}) + '\n' +
+                                        (d / 'few_train.jsonl').read_text())
+    (d / 'long_test.jsonl').write_text((d / 'long_train.jsonl').read_text())
+    (d / 'config_typo.py').write_text("lerning_rate = 1e-3\n")
+    (d / 'config_syntax.py').write_text("beta = 0.1\nloss_type = 'grpo\n")
+    for name, edit in [('llama', lambda c: c.update(model_type='llama')), ('nokey', lambda c: c.pop('n_layer'))]:
+        (d / name).mkdir()
+        cfg = json.load(open(os.path.join(FIXTURE, 'config.json')))
+        edit(cfg)
+        (d / name / 'config.json').write_text(json.dumps(cfg))
+        (d / name / 'model.safetensors').write_bytes(open(os.path.join(FIXTURE, 'model.safetensors'), 'rb').read())
+    weights = open(os.path.join(FIXTURE, 'model.safetensors'), 'rb').read()
+    for name, data in [('truncated', weights[:len(weights) // 2]), ('garbage', b'\x07' * 4096), ('noweights', None)]:
+        (d / name).mkdir()
+        (d / name / 'config.json').write_text(open(os.path.join(FIXTURE, 'config.json')).read())
+        if data is not None:
+            (d / name / 'model.safetensors').write_bytes(data)
+
+
+# (name, arguments, what the error line must contain); {d} is the folder of write_files, {ckpt} an out_dir holding
+# a good checkpoint, which no case may change
+CASES = [
+    ('unknown key', ['--lerning_rate=1e-3'], "unknown config key 'lerning_rate'. Did you mean learning_rate"),
+    ('wrong type', ['--max_iters=ten'], "config key 'max_iters' expects int, got str 'ten'"),
+    ('bool as int', ['--compile=1'], "config key 'compile' expects bool, got int 1"),
+    ('no value', ['--beta'], "override '--beta' has no value"),
+    ('missing config file', ['config/nope.py'], "config file 'config/nope.py' not found"),
+    ('config file typo', ['{d}/config_typo.py'], "config_typo.py: unknown config key 'lerning_rate'"),
+    ('config file syntax', ['{d}/config_syntax.py'], "config_syntax.py' line 2"),
+    ('unknown loss_type', ['--loss_type=ppo'], "unknown loss_type 'ppo'; choose one of"),
+    ('batch does not split', ['--micro_batch_size=3'], "which must split into steps_per_generation=1"),
+    ('G=1 with std scaling', ['--num_generations=1', '--scale_rewards=group'], "num_generations=1 leaves no group"),
+    ('KL with no reference', ['--beta=0.1', '--sft_iters=0'], "beta > 0 needs a reference policy"),
+    ('prompt + completion > block_size', ['--block_size=6'], "> block_size=6"),
+    ('resume with no checkpoint', ['--init_from=resume', '--out_dir={d}/empty_out'], "holds no checkpoint"),
+    ('init_from not a directory', ['--init_from={d}/nowhere'], "is neither 'scratch', 'resume' nor"),
+    ('missing data file', ['--task={d}/missing.jsonl', '--task_options={}'], "missing.jsonl not found"),
+    ('malformed JSON line', ['--task={d}/bad_json_{split}.jsonl', '--task_options={}'], "bad_json_train.jsonl:2: invalid JSON"),
+    ('row without answer', ['--task={d}/no_answer_{split}.jsonl', '--task_options={}'], 'no_answer_train.jsonl:2: no "answer"'),
+    ('empty dataset', ['--task={d}/empty_{split}.jsonl', '--task_options={}'], "empty_train.jsonl is empty"),
+    ('fewer prompts than a step', ['--task={d}/few_{split}.jsonl', '--task_options={}'], "has 3 prompts but prompts_per_step=4"),
+    ('prompt longer than block_size', ['--task={d}/long_{split}.jsonl', '--task_options={}'], "longest prompt is 43 tokens"),
+    ('unknown task', ['--task=multiplication'], "unknown dataset 'multiplication'"),
+    ('unknown task option', ["--task_options={'digit': 2}"], "task 'addition' has no option 'digit'"),
+    ('non-GPT-2 checkpoint', ['--init_from={d}/llama'], "model_type is 'llama', only 'gpt2'"),
+    ('config.json missing a key', ['--init_from={d}/nokey'], "missing key 'n_layer'"),
+    ('truncated safetensors', ['--init_from={d}/truncated'], "truncated/model.safetensors"),
+    ('corrupted safetensors', ['--init_from={d}/garbage'], "garbage/model.safetensors"),
+    ('missing model.safetensors', ['--init_from={d}/noweights'], "noweights/model.safetensors not found"),
+    ('unknown reward', ["--reward_funcs=('exact',)"], "unknown reward function 'exact'"),
+    ('reward weights mismatch', ["--reward_funcs=('exact_match', 'format')", "--reward_weights=(1.0,)"],
+     "2 reward functions but 1 weights"),
+    ('reward not importable', ["--reward_funcs=('rewards_mod:nope',)"], "'rewards_mod:nope' cannot be imported"),
+    ('reward raises', ["--reward_funcs=('rewards_mod:raises',)"], "reward function raises raised ZeroDivisionError"),
+    ('reward wrong length', ["--reward_funcs=('rewards_mod:short',)"], "reward function short returned 15 values"),
+    ('reward NaN', ["--reward_funcs=('rewards_mod:nan',)"], "reward function nan returned nan"),
+    ('reward wrong type', ["--reward_funcs=('rewards_mod:text',)"], "reward function text returned 'good'"),
+    ('tokenizer too big for model', ['--tokenizer=bytes', '--init_from={d}/small_vocab'], "vocab_size 100 <"),
+]
+
+
+def digest(path):
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for f in sorted(files):
+            h.update(f.encode() + open(os.path.join(root, f), 'rb').read())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope='module')
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp('bad')
+    write_files(d)
+    ckpt = d / 'ckpt'
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    subprocess.run([sys.executable, 'train.py', *TINY, '--max_iters=1', f'--out_dir={ckpt}'], cwd=ROOT, env=env,
+                   check=True, capture_output=True)
+    from model import GPT, GPTConfig  # a model whose vocab the byte tokenizer does not fit
+    GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=1, n_head=1, n_embd=8)).save_pretrained(d / 'small_vocab')
+    return d, ckpt
+
+
+def run_case(d, ckpt, args):
+    args = [a.replace('{d}', str(d)) for a in args]
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(d))
+    cmd = [sys.executable, 'train.py', *TINY, '--max_iters=1', f'--out_dir={ckpt}', *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_bad_input_catalogue(setup):
+    d, ckpt = setup
+    before = digest(ckpt)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda case: run_case(d, ckpt, case[1]), CASES))
+    failures = []
+    for (name, _, expected), p in zip(CASES, results):
+        lines = p.stderr.strip().splitlines()
+        ok = (p.returncode != 0 and 'Traceback' not in p.stderr and len(lines) >= 1
+              and lines[-1].startswith('error: ') and expected in lines[-1])
+        if not ok:
+            failures.append(f"{name}: rc={p.returncode}\n{p.stderr[-1500:]}")
+    assert not failures, '\n\n'.join(failures)
+    assert digest(ckpt) == before  # no case touched the existing checkpoint
+    assert len(CASES) >= 25
