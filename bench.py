@@ -5,22 +5,29 @@ dict; main() prints the dict as a table and writes it as JSON. Random weights: s
 $ python bench.py                                  # GRPO-shaped: 8 prompts x G=8, prompt 64, completion 128
 $ python bench.py --prompts 4 --G 16 --prompt_len 32 --new_tokens 64   # the smaller shape of the first benchmark
 $ python bench.py --preset gpt2 --device cuda --compile --json bench.json
+$ python bench.py --soak                           # 200 iterations of train.py: does its memory stay flat?
 
 Sections: the machine's matmul peak (every MFU is against it), sampling (KV cache vs naive full recompute, and a
-batch where half the rows end early), and the log-prob pass (chunked vs a plain full log-softmax).
+batch where half the rows end early), the log-prob pass (chunked vs a plain full log-softmax), one training step
+(forward, GRPO loss, backward, clip, AdamW), and whole GRPO iterations of train.py itself, phase by phase.
 """
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import resource
+import subprocess
+import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 
 import torch
 
+from loss import grpo_loss
 from model import GPT, GPTConfig, sample
 
 PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768)}  # 124M
@@ -37,6 +44,7 @@ def get_args(argv=None):
     p.add_argument("--G", type=int, default=8, help="completions per prompt")
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--new_tokens", type=int, default=128, help="completion length")
+    p.add_argument("--micro_batch_size", type=int, default=16, help="rows per forward/backward of a training step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype; default bfloat16 on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
@@ -44,6 +52,7 @@ def get_args(argv=None):
     p.add_argument("--naive_points", type=int, default=4,
                    help="sequence lengths the naive sampler is timed at (0: run it for every token)")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--soak", action="store_true", help="only the memory soak: 200 iterations of a tiny train.py run")
     args = p.parse_args(argv)
     if args.preset:
         vars(args).update(PRESETS[args.preset])
@@ -98,16 +107,63 @@ def decode_flops(model, args, prompt_len, steps):
     rows = args.prompts * args.G
     return sum(rows * model.flops_per_token(prompt_len + t, backward=False) for t in range(1, steps))
 
+def update_flops(model, rows, T, C):
+    """Model FLOPs of a training step over `rows` sequences of T tokens whose last C are the completion: the body
+    runs over all T positions, the output layer only over the C completion positions (as train.py counts its MFU)."""
+    head = 6 * model.config.vocab_size * model.config.n_embd  # the output layer's share of flops_per_token
+    return rows * (T * (model.flops_per_token(T) - head) + C * head)
+
+def grpo_batch(args):
+    """A GRPO-shaped batch of random tokens: idx (rows, prompt_len + new_tokens) and each row's prompt length."""
+    rows, P = args.prompts * args.G, args.prompt_len
+    idx = torch.randint(0, args.vocab_size, (rows, P + args.new_tokens), device=args.device)
+    return idx, torch.full((rows,), P, device=args.device)
+
+def in_fresh_process(fn, *fn_args):
+    """fn(*fn_args) in a new process: the CPU memory high-water mark (ru_maxrss) is per process and never goes down."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *fn_args).result()
+
+def timed_peak(fn, args):
+    """(best seconds of fn(), its peak memory in bytes above what is held before the first call): allocated bytes on
+    CUDA; on CPU the resident set, whose high-water mark only means this when called in_fresh_process."""
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        seconds = timed(fn, args.device, args.repeat)
+        return seconds, torch.cuda.max_memory_allocated() - base
+    with open("/proc/self/statm") as f:
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident now
+    seconds = timed(fn, args.device, args.repeat)
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+
+def run_train(args, out_dir, **overrides):
+    """Run train.py from scratch (no warm start) on args' device, dtype and compile, with --key=value overrides;
+    return its training iterations' metrics from out_dir/metrics.jsonl."""
+    config = dict(device=args.device, dtype=args.dtype, compile=args.compile, sft_iters=0, out_dir=out_dir,
+                  **overrides)
+    cmd = [sys.executable, "train.py"] + [f"--{k}={v!r}" for k, v in config.items()]
+    p = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {(p.stderr.strip().splitlines() or ['no stderr'])[-1]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [m for m in map(json.loads, f) if "dt" in m]  # the eval lines have no dt
+
 # -----------------------------------------------------------------------------
 # sections
 
-def bench_matmul_peak(args, model, results):
-    """The machine's own matmul throughput: a big square matmul, float32 on CPU, bf16 on CUDA."""
-    cuda = args.device.startswith("cuda")
+def matmul_peak(device, repeat=5):
+    """The machine's own matmul throughput in FLOP/s (a big square matmul, float32 on CPU, bf16 on CUDA), and what
+    was measured. train.py measures MFU against it too."""
+    cuda = device.startswith("cuda")
     n, dtype = (8192, torch.bfloat16) if cuda else (2048, torch.float32)
-    a, b = (torch.randn(n, n, device=args.device, dtype=dtype) for _ in range(2))
-    seconds = timed(lambda: a @ b, args.device, repeat=max(args.repeat, 5))
-    results["peak"] = dict(matmul=f"{n}x{n} {dtype}".replace("torch.", ""), tflops=2 * n**3 / seconds / 1e12)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = timed(lambda: a @ b, device, repeat=repeat)
+    return 2 * n**3 / seconds, f"{n}x{n} {dtype}".replace("torch.", "")
+
+def bench_matmul_peak(args, model, results):
+    flops, what = matmul_peak(args.device, max(args.repeat, 5))
+    results["peak"] = dict(matmul=what, tflops=flops / 1e12)
 
 def naive_generate(model, args, prompts, steps):
     """The baseline: no cache, every step recomputes the whole sequence (only the last position goes through the
@@ -179,12 +235,11 @@ def bench_sampling(args, model, results):
     r["early_eos_ideal_ratio"] = float(mask.sum()) / mask.numel()  # if a finished row cost nothing at all
 
 def logprob_pass(args, naive):
-    """Run in a fresh process: (seconds, peak resident memory above the inputs' in bytes) of one log-prob pass over
-    a GRPO batch, chunked or naive. ru_maxrss is a per-process high-water mark, hence the fresh process."""
+    """Run in a fresh process: (seconds, peak memory above the weights and inputs in bytes) of one log-prob pass over
+    a GRPO batch, chunked or naive."""
     model = build_model(args)
-    rows, P, T = args.prompts * args.G, args.prompt_len, args.new_tokens
-    idx = torch.randint(0, args.vocab_size, (rows, P + T), device=args.device)
-    start = torch.full((rows,), P, device=args.device)
+    idx, start = grpo_batch(args)
+    P, T = args.prompt_len, args.new_tokens
 
     def run():
         with torch.inference_mode(), autocast(args):
@@ -193,33 +248,99 @@ def logprob_pass(args, naive):
                 return logp[:, P - 1:-1].gather(2, idx[:, P:, None])
             return model.logprobs(idx, start, T)
 
-    if args.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        seconds = timed(run, args.device, args.repeat)
-        return seconds, torch.cuda.max_memory_allocated() - base
-    with open("/proc/self/statm") as f:
-        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident now
-    seconds = timed(run, args.device, args.repeat)
-    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return timed_peak(run, args)
 
 def bench_logprobs(args, model, results):
     """The old/ref log-prob pass over a whole GRPO batch: model.logprobs against a plain full log-softmax."""
     r = results["logprobs"] = {}
     tokens = args.prompts * args.G * args.new_tokens
     for name in ("chunked", "naive"):
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            seconds, peak = pool.submit(logprob_pass, args, name == "naive").result()
+        seconds, peak = in_fresh_process(logprob_pass, args, name == "naive")
         r[f"{name}_tokens_per_s"] = tokens / seconds
         r[f"{name}_peak_mb"] = peak / 2**20
     r["peak_memory_ratio"] = r["chunked_peak_mb"] / r["naive_peak_mb"]
 
-SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs]
+def train_step(args):
+    """Run in a fresh process: (seconds, peak memory above the weights and batch in bytes) of one optimizer step as
+    the trainer takes it: micro-batches of forward (the log-prob path), on-policy Dr. GRPO loss and backward
+    accumulate the gradient of the whole batch, then clip, AdamW and zero_grad."""
+    model = build_model(args).train()
+    idx, start = grpo_batch(args)
+    rows, T, mbs = idx.size(0), args.new_tokens, args.micro_batch_size
+    advantages, mask = torch.randn(rows, device=args.device), torch.ones(rows, T, device=args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device.startswith("cuda"))
+
+    def step():
+        for i in range(0, rows, mbs):
+            with autocast(args):
+                logps = model(idx[i:i + mbs], start[i:i + mbs], T)  # (mbs, T) float32
+            # num_sequences counts the whole step: the micro-batches' gradients add up to the step's
+            loss, _ = grpo_loss(logps, None, None, advantages[i:i + mbs], mask[i:i + mbs], loss_type="dr_grpo",
+                                max_completion_length=T, num_sequences=rows)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return timed_peak(step, args)
+
+def bench_train_step(args, model, results):
+    """One training step over the whole GRPO batch: tokens/s, MFU (needs the peak section first) and peak memory
+    above the weights and batch (gradients, AdamW state, activations)."""
+    seconds, peak = in_fresh_process(train_step, args)
+    rows, T = args.prompts * args.G, args.prompt_len + args.new_tokens
+    results["train_step"] = dict(
+        rows=rows, micro_batch_size=min(args.micro_batch_size, rows), step_ms=seconds * 1e3,
+        tokens_per_s=rows * T / seconds,
+        mfu=update_flops(model, rows, T, args.new_tokens) / seconds / (results["peak"]["tflops"] * 1e12),
+        peak_mb=peak / 2**20)
+
+PHASES = ("generate", "reward", "logprobs", "backward", "optimizer", "comm")  # train.py's time/ metrics
+
+def bench_iteration(args, model, results):
+    """Whole GRPO iterations of train.py itself at this model shape, from its own metrics: each phase's seconds and
+    share of the iteration, rollout and training tokens/s, MFU (against the peak section's) and memory (train.py's
+    mem_mb: peak allocated on CUDA, resident on CPU). The prompts are the default task's (~6 tokens), not
+    --prompt_len; a random model rarely samples the eos, so completions run to --new_tokens. Of 4 iterations the
+    first is warm-up and the other 3 are averaged."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        its = run_train(args, out_dir, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                        vocab_size=args.vocab_size, block_size=args.block_size, prompts_per_step=args.prompts,
+                        num_generations=args.G, max_completion_length=args.new_tokens,
+                        micro_batch_size=math.gcd(args.micro_batch_size, args.prompts * args.G),
+                        eval_interval=0, save_interval=5, max_iters=4, peak_flops=results["peak"]["tflops"] * 1e12)
+    mean = lambda key: sum(m[key] for m in its[1:]) / len(its[1:])
+    r = results["iteration"] = dict(prompts="the default task's (~6 tokens), not --prompt_len",
+                                    completion_len=mean("len_mean"), dt_s=mean("dt"))
+    for phase in PHASES:
+        r[f"{phase}_s"] = mean(f"time/{phase}")
+        r[f"{phase}_share"] = r[f"{phase}_s"] / r["dt_s"]
+    r.update({k: mean(k) for k in ("rollout_tok_s", "train_tok_s", "mfu", "mem_mb")})
+
+SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration]
+
+def soak(args, iters=200, every=20, warmup=40, limit=0.10):
+    """Memory soak: `iters` iterations of a tiny model through train.py, evals and checkpoints included. A leak (a
+    tensor kept per iteration, a cache that grows) shows as mem_mb creeping up, so after `warmup` iterations its
+    spread (max - min) / min must stay within `limit`. Prints mem_mb every `every` iterations; returns the verdict."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mem = [m["mem_mb"] for m in run_train(args, out_dir, n_layer=2, n_head=2, n_embd=64, prompts_per_step=4,
+                                              num_generations=4, micro_batch_size=16, eval_interval=50,
+                                              save_interval=50, max_iters=iters)]
+    for i in sorted({*range(0, iters, every), iters - 1}):
+        print(f"iter {i:4d}  mem_mb {mem[i]:.1f}")
+    low, high = min(mem[warmup:]), max(mem[warmup:])
+    ok = (high - low) / low <= limit
+    print(f"soak {'PASS' if ok else 'FAIL'}: mem_mb over iterations {warmup}..{iters - 1} in [{low:.1f}, {high:.1f}], "
+          f"growth {(high - low) / low:.1%} (limit {limit:.0%})")
+    return ok
 
 # -----------------------------------------------------------------------------
 
 def main():
     args = get_args()
+    if args.soak:
+        sys.exit(0 if soak(args) else 1)
     model = build_model(args)
     results = {"machine": dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                                threads=torch.get_num_threads(), torch=torch.__version__, dtype=args.dtype),

@@ -16,6 +16,8 @@ Randomness is per prompt, not per rank: prompt j of iteration `it` is sampled fr
 (seed, it, j). So a prompt gets the same completions whichever rank, batch or resume it lands in, and a run on
 1 GPU and on 8 sees the same rollouts (up to float rounding of the logits).
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +31,16 @@ def prompt_seed(*key):
     return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def lap(times, key, since, device):
+    """Add the wall time since `since` to times[key] (after the device's queued work: CUDA is asynchronous), and
+    return now, the start of the next phase."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    times[key] = times.get(key, 0.0) + now - since
+    return now
+
+
 def gather(t):
     """Concatenate a tensor across ranks along dim 0 (identity on one process). Every rank holds equal rows."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -36,6 +48,15 @@ def gather(t):
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts)
+
+
+def pack(prompts, completions, pad):
+    """Token lists into what model.logprobs reads: idx (B, T) rows of prompt + completion, right-padded (causal
+    attention never looks at the padding on the right), and start (B,) where each completion begins."""
+    idx = torch.full((len(prompts), max(map(len, prompts)) + max(map(len, completions))), pad, dtype=torch.long)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        idx[b, :len(p) + len(c)] = torch.tensor(p + c)
+    return idx, torch.tensor([len(p) for p in prompts])
 
 
 def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
@@ -74,19 +95,23 @@ def rollout(model, ref_model, rows, it, rank, cfg, enc, reward_fns, reward_weigh
     """
     rows: this rank's prompt rows for iteration `it`, each with a global '_id'. resample(n, round) -> n more rows
     (used by dynamic sampling). Returns (batch, info): batch as in the module docstring (on the model's device),
-    info with rewards, texts and counts for logging.
+    info with the rewards, the first reward function's values ('correct'), lengths, counts and the seconds of each
+    phase, for logging.
     """
     G, C = cfg.num_generations, cfg.max_completion_length
     device = next(model.parameters()).device
     kept, dropped, rounds = [], 0, 0
+    times, t = {}, time.perf_counter()
     while True:  # one pass without dynamic sampling; with it, refill until the batch holds informative groups
         prompts, tokens, mask, logps = sample(model, rows, [prompt_seed(cfg.seed, it, r['_id']) for r in rows],
                                               cfg, enc)
-        rewards, truncated, texts, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights)
-        groups = [dict(row=rows[g], prompt=prompts[g], tokens=tokens[g * G:(g + 1) * G], mask=mask[g * G:(g + 1) * G],
-                       logps=logps[g * G:(g + 1) * G], rewards=rewards[g * G:(g + 1) * G],
-                       truncated=truncated[g * G:(g + 1) * G], texts=texts[g * G:(g + 1) * G])
-                  for g in range(len(rows))]
+        t = lap(times, 'generate', t, device)
+        rewards, truncated, _, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights)
+        t = lap(times, 'reward', t, device)
+        correct = torch.tensor([float('nan') if v is None else v for v in per_fn[reward_fns[0].__name__]])
+        per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated, correct=correct)
+        groups = [dict(prompt=prompts[g], **{k: v[g * G:(g + 1) * G] for k, v in per_row.items()})
+                  for g in range(len(rows))]  # a group = one prompt and its G completions, kept or dropped whole
         if not cfg.dynamic_sampling:
             kept = groups
             break
@@ -102,18 +127,13 @@ def rollout(model, ref_model, rows, it, rank, cfg, enc, reward_fns, reward_weigh
         rounds += 1
         rows = resample(want - len(kept), rounds)
     cat = lambda key: torch.cat([g[key] for g in kept])
-    tokens, mask, old_logps, rewards, truncated = cat('tokens'), cat('mask'), cat('logps'), cat('rewards'), cat('truncated')
+    tokens, mask, old_logps = cat('tokens'), cat('mask'), cat('logps')
+    rewards, truncated, correct = cat('rewards'), cat('truncated'), cat('correct')
     lengths = mask.sum(1)  # completion lengths before any loss masking, for logging
 
-    # right-padded prompt + completion rows: causal attention never looks at the padding on the right
-    prompt_lens = [len(g['prompt']) for g in kept for _ in range(G)]
-    T = max(prompt_lens) + C
-    idx = torch.full((len(prompt_lens), T), enc.eot_token, dtype=torch.long)
-    for b, (g, n) in enumerate(zip([g for g in kept for _ in range(G)], prompt_lens)):
-        idx[b, :n] = torch.tensor(g['prompt'])
-        idx[b, n:n + C] = tokens[b]
-    start = torch.tensor(prompt_lens)
+    idx, start = pack([g['prompt'] for g in kept for _ in range(G)], tokens.tolist(), enc.eot_token)
     batch = dict(idx=idx.to(device), start=start.to(device), mask=mask.to(device), old_logps=old_logps.to(device))
+    t = lap(times, 'reward', t, device)  # packing the batch counts with scoring
     if cfg.top_k is not None or cfg.top_p is not None or cfg.autocast:
         # sampling log-probs came from a truncated or low-precision softmax: the ratio needs the trainer's own
         batch['old_logps'] = logprobs(model, batch, cfg)
@@ -121,6 +141,8 @@ def rollout(model, ref_model, rows, it, rank, cfg, enc, reward_fns, reward_weigh
         batch['ref_logps'] = logprobs(ref_model, batch, cfg)
     if cfg.mask_truncated_completions:  # DAPO overlong filtering: a cut-off answer is neither right nor wrong
         batch['mask'] = batch['mask'] & ~truncated.to(device)[:, None]
+
+    t = lap(times, 'logprobs', t, device)
 
     # advantages over the whole step's groups (all ranks), so 'batch' std scaling is the same on any layout
     shaped = rewards.clone()
@@ -131,8 +153,9 @@ def rollout(model, ref_model, rows, it, rank, cfg, enc, reward_fns, reward_weigh
     advantages = group_advantages(all_shaped, G, cfg.scale_rewards)
     B = len(shaped)
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
-    info = dict(rewards=rewards, lengths=lengths, truncated=truncated, dropped_groups=dropped, resample_rounds=rounds,
-                per_fn={k: v for k, v in per_fn.items()}, samples=[(g['row']['prompt'], g['texts'][0]) for g in kept])
+    lap(times, 'comm', t, device)  # gathering the rewards dominates this part
+    info = dict(time=times, rewards=rewards, correct=correct, lengths=lengths, truncated=truncated,
+                dropped_groups=dropped)
     return batch, info
 
 

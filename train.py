@@ -16,9 +16,11 @@ loss.py's step-wide normalisers are summed over ranks and micro-batches, so the 
 split: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameters.
 """
 import copy
+import functools
 import json
 import math
 import os
+import resource
 import sys
 import time
 from types import SimpleNamespace
@@ -28,27 +30,28 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+from bench import matmul_peak
 from configurator import check_config, configure
 from data import default_reward, get_tokenizer, load_dataset
 from loss import grpo_loss
 from model import GPT, GPTConfig
 from reward import get_reward_fns, pass_at_k
-from rollout import gather, prompt_seed, rollout, sample, score
+from rollout import gather, lap, pack, prompt_seed, rollout, sample, score
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
 # I/O
 out_dir = 'out'
-eval_interval = 10  # iterations between held-out evaluations (also at the start and the end); 0 = none
-eval_size = 128  # held-out prompts for greedy accuracy and pass@k
-save_interval = 10  # iterations between checkpoints (also at the end)
+eval_interval = 100  # iterations between held-out evaluations (also at the start and the end); 0 = none
+eval_size = 500  # held-out prompts for greedy accuracy and pass@k
+save_interval = 100  # iterations between checkpoints (also at the end)
 init_from = 'scratch'  # 'scratch', 'resume' (from out_dir) or a Hugging Face GPT-2 directory
 wandb_log = False  # disabled by default
 wandb_project = 'nanogrpo'
 wandb_run_name = 'grpo'
 # data
 task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "answer"} rows
-task_options = {}  # a built-in task's options, e.g. {'digits': 2} (see data.py)
+task_options = {'digits': 2}  # a built-in task's options (see data.py)
 test_task = ''  # held-out data: '' = the task's own test split
 tokenizer = 'bytes'  # 'bytes' (257 tokens, built locally) or 'gpt2' (tiktoken, for GPT-2 weights)
 reward_funcs = ()  # reward function names from reward.py; () = the task's default
@@ -58,11 +61,13 @@ n_layer = 4
 n_head = 4
 n_embd = 128
 block_size = 64
+vocab_size = 0  # 0 = the tokenizer's; more pads the output layer (nanoGPT's 50304), e.g. for benchmarks
 dropout = 0.0
 bias = True
-# supervised warm start on the task's answers (a cold start, as in DeepSeek-R1), cached in out_dir/warmstart:
-# GRPO learns only from groups whose rewards differ, so a policy that never gets a reward learns nothing
-sft_iters = 200
+# supervised warm start on the task's answers (a cold start, as in DeepSeek-R1), cached in out_dir/warmstart, for
+# a new run (not a resume): GRPO learns only from groups whose rewards differ, so a policy that never gets a reward
+# learns nothing
+sft_iters = 400  # enough for ~27% greedy accuracy on 2-digit addition, far from what RL then reaches
 sft_batch_size = 64
 sft_learning_rate = 1e-3
 # rollout
@@ -91,7 +96,7 @@ num_iterations = 1  # mu: passes over each rollout batch
 steps_per_generation = 1  # optimizer steps per pass
 micro_batch_size = 32  # completions per forward/backward on each rank
 max_iters = 100  # rollouts
-learning_rate = 1e-4
+learning_rate = 1e-4  # RL wants small steps: 2e-4 and up learnt slower on the default task
 weight_decay = 0.0
 beta1 = 0.9
 beta2 = 0.99
@@ -144,8 +149,8 @@ torch.backends.cudnn.allow_tf32 = True
 enc = get_tokenizer(tokenizer)
 train_rows = load_dataset(task, 'train', seed=seed, **task_options)
 test_rows = load_dataset(test_task or task, 'test', seed=seed, size=eval_size, **task_options)
-names, weights = default_reward(task, train_rows) if not reward_funcs else (reward_funcs, reward_weights or
-                                                                          (1.0,) * len(reward_funcs))
+names, weights = (reward_funcs, reward_weights or (1.0,) * len(reward_funcs)) if reward_funcs else \
+    default_reward(task, train_rows)
 reward_fns, reward_weights = get_reward_fns(names), list(weights)  # the first one is the accuracy of the logs
 if len(train_rows) < prompts_per_step:
     raise ValueError(f"{task} has {len(train_rows)} prompts but prompts_per_step={prompts_per_step}; "
@@ -157,15 +162,18 @@ for rows, name in ((train_rows, task), (test_rows, test_task or task)):
                          f"> block_size={block_size}; shorten prompts or max_completion_length, or raise block_size")
 
 
+@functools.lru_cache(maxsize=2)
+def epoch_order(epoch):
+    return torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
 def step_rows(it):
-    """This rank's prompts of iteration it: a seeded reshuffle of the train set each epoch, cut across ranks."""
-    out = []
-    for pos in range(it * prompts_per_step, (it + 1) * prompts_per_step):
-        epoch, i = divmod(pos, len(train_rows))
-        perm = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed + epoch))
-        out.append(dict(train_rows[perm[i]], _id=pos))
+    """This rank's prompts of iteration it: a seeded reshuffle of the train set each epoch, cut across ranks.
+    The position in the data is a function of the iteration, so a resume needs nothing else."""
     per_rank = prompts_per_step // world_size
-    return out[rank * per_rank:(rank + 1) * per_rank]
+    first = it * prompts_per_step + rank * per_rank
+    return [dict(train_rows[epoch_order(pos // len(train_rows))[pos % len(train_rows)]], _id=pos)
+            for pos in range(first, first + per_rank)]
 
 
 def resample_rows(it):
@@ -178,12 +186,13 @@ def resample_rows(it):
 
 
 # model
+torch.manual_seed(seed)  # the scratch init: the same weights on every rank and in every run
 if init_from == 'resume':
     state = checkpoint.load_state(out_dir)
     model = GPT.from_pretrained(state['dir'], dtype=param_dtype)
 elif init_from == 'scratch':
-    model = GPT(GPTConfig(block_size=block_size, vocab_size=enc.n_vocab, n_layer=n_layer, n_head=n_head,
-                          n_embd=n_embd, dropout=dropout, bias=bias))
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=max(vocab_size, enc.n_vocab), n_layer=n_layer,
+                          n_head=n_head, n_embd=n_embd, dropout=dropout, bias=bias))
 else:
     model = GPT.from_pretrained(init_from, dtype=param_dtype)
 if model.config.vocab_size < enc.n_vocab:
@@ -191,7 +200,6 @@ if model.config.vocab_size < enc.n_vocab:
                      f"{enc.n_vocab}; pick the tokenizer the model was trained with")
 if model.config.block_size < block_size:
     raise ValueError(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower block_size")
-torch.manual_seed(seed)  # every rank starts from the same weights (scratch init), then DDP keeps them equal
 model.to(device=device, dtype=param_dtype)
 raw_model = model
 if compile:
@@ -218,28 +226,23 @@ def all_sum(x):
 
 def warm_start():
     """Supervised cold start on the train answers, cached in out_dir/warmstart (reused while its config matches)."""
-    keys = ('task', 'task_options', 'tokenizer', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',
-            'sft_learning_rate', 'seed')
+    keys = ('init_from', 'task', 'task_options', 'tokenizer', 'vocab_size', 'n_layer', 'n_head', 'n_embd',
+            'block_size', 'bias', 'sft_iters', 'sft_batch_size', 'sft_learning_rate', 'seed')
     spec = {k: config[k] for k in keys}
     path = os.path.join(out_dir, 'warmstart')
     if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:
         raw_model.load_state_dict(GPT.from_pretrained(path, dtype=param_dtype).state_dict())
         return 'loaded'
     opt = make_optimizer(sft_learning_rate)
-    eot = enc.eot_token
     for i in range(sft_iters):
         g = torch.Generator().manual_seed(prompt_seed(seed, -2, i))
         picks = torch.randint(len(train_rows), (sft_batch_size,), generator=g).tolist()
         picks = picks[rank::world_size]
-        seqs = [(enc.encode_ordinary(train_rows[j]['prompt']), enc.encode_ordinary(train_rows[j]['answer']) + [eot])
-                for j in picks]
-        L = max(len(a) for _, a in seqs)
-        idx = torch.full((len(seqs), max(len(p) for p, _ in seqs) + L), eot, dtype=torch.long)
-        mask = torch.zeros(len(seqs), L)
-        for b, (p, a) in enumerate(seqs):
-            idx[b, :len(p) + len(a)] = torch.tensor(p + a)
-            mask[b, :len(a)] = 1
-        start = torch.tensor([len(p) for p, _ in seqs])
+        prompts = [enc.encode_ordinary(train_rows[j]['prompt']) for j in picks]
+        answers = [enc.encode_ordinary(train_rows[j]['answer']) + [enc.eot_token] for j in picks]
+        idx, start = pack(prompts, answers, enc.eot_token)
+        L = max(map(len, answers))
+        mask = (torch.arange(L) < torch.tensor([len(a) for a in answers])[:, None]).float()  # (B, L)
         with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
             logps = model(idx.to(device), start.to(device), L)  # (B, L) through DDP's forward
         mask = mask.to(device, logps.dtype)
@@ -282,17 +285,19 @@ def get_lr(step, total):
 
 
 def policy_update(batch, optimizer, step, total_steps):
-    """mu passes of steps_per_generation optimizer steps over the rollout batch. Returns (stats, steps, bad)."""
+    """mu passes of steps_per_generation optimizer steps over the rollout batch.
+    Returns (stats, step count, non-finite steps skipped, seconds per phase)."""
     B = batch['idx'].shape[0]
     rows = B // steps_per_generation  # this rank's completions per optimizer step
     accum = rows // micro_batch_size
     on_policy = num_iterations == 1 and steps_per_generation == 1  # the sampling policy is the one we update
-    sums, bad = {}, 0
+    sums, bad, times, t, dev = {}, 0, {}, time.perf_counter(), batch['idx'].device
     for _ in range(num_iterations):
         for s in range(steps_per_generation):
             part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
             # the whole step's normalisers: every micro-batch of every rank divides by the same numbers
             num_tokens = all_sum(part['mask'].sum().float())
+            t = lap(times, 'comm', t, dev)
             for m in range(accum):
                 mb = {k: v[m * micro_batch_size:(m + 1) * micro_batch_size] for k, v in part.items()}
                 if ddp:  # all-reduce the gradients only on the last micro-batch
@@ -309,9 +314,13 @@ def policy_update(batch, optimizer, step, total_steps):
                 (loss * world_size).backward()  # DDP averages over ranks; the loss contract wants the sum
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().double()
+            t = lap(times, 'backward', t, dev)  # forward + backward; DDP's gradient all-reduce overlaps the last one
             norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+            t = lap(times, 'optimizer', t, dev)
             # every rank sees the same all-reduced gradient, but a NaN on one rank must stop them all together
-            if all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() > 0:
+            nonfinite = all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() > 0
+            t = lap(times, 'comm', t, dev)
+            if nonfinite:
                 bad += 1
             else:
                 for group in optimizer.param_groups:
@@ -319,24 +328,11 @@ def policy_update(batch, optimizer, step, total_steps):
                 optimizer.step()
                 step += 1
             optimizer.zero_grad(set_to_none=True)
+            t = lap(times, 'optimizer', t, dev)
     n = num_iterations * steps_per_generation * accum * world_size
     stats = dict(zip(sums, (all_sum(torch.stack(list(sums.values()))) / n).tolist()))
     stats.update(grad_norm=norm.item(), lr=get_lr(max(step - 1, 0), total_steps))
-    return stats, step, bad
-
-
-def peak_flops_measured():
-    """A big matmul's FLOP/s on this device and dtype: the ceiling MFU is measured against."""
-    n = 2048 if device_type == 'cuda' else 1024
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if autocast else param_dtype)
-    best = math.inf
-    for _ in range(4):
-        t = time.time()
-        a @ a
-        if device_type == 'cuda':
-            torch.cuda.synchronize()
-        best = min(best, time.time() - t)
-    return 2 * n ** 3 / best
+    return stats, step, bad, times
 
 
 def save(it):
@@ -351,6 +347,19 @@ def save(it):
                         dict(step=step, bad_in_row=bad_in_row, config=config))
     if ddp:
         dist.barrier()
+
+
+def memory_mb():
+    """CUDA: the peak allocated since the last call. CPU: the resident memory now (peak where /proc is missing)."""
+    if device_type == 'cuda':
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**20
+    try:
+        with open('/proc/self/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
 def log(metrics, line):
@@ -374,17 +383,17 @@ iter_start, step, bad_in_row = 0, 0, 0
 if init_from == 'resume':
     iter_start, step, bad_in_row = state['iter'], state['step'], state['bad_in_row']
     checkpoint.load_optimizer(state['dir'], optimizer)
-elif init_from == 'scratch' and sft_iters > 0:
+elif sft_iters > 0:
     t = time.time()
     how = warm_start()
     if master:
         print(f"warm start: {how} ({time.time() - t:.1f}s)", flush=True)
 ref_model = None
 if beta > 0:  # the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
-    ref_model = GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype) if init_from == 'resume' else \
-        copy.deepcopy(raw_model)
+    ref_model = copy.deepcopy(raw_model) if init_from != 'resume' else \
+        GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype)
     ref_model.to(device, param_dtype).eval().requires_grad_(False)
-peak = peak_flops or peak_flops_measured()
+peak = peak_flops or matmul_peak(device)[0]
 if master:
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
           f"{prompts_per_step}x{num_generations} completions per iteration", flush=True)
@@ -396,43 +405,48 @@ for it in range(iter_start, max_iters + 1):
             " | ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k))
         for prompt, completion in samples if master else ():
             print(f"    {prompt!r} -> {completion!r}")
-    if it > iter_start and (it % save_interval == 0 or it == max_iters):
-        save(it)
+    if it > iter_start and (it % save_interval == 0 or it == max_iters) and bad_in_row == 0:
+        save(it)  # never right after a skipped step: the latest checkpoint is always a good one
     if it == max_iters:
         break
     if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:
         ref_model.load_state_dict(raw_model.state_dict())
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout's randomness follows the iteration: resume is exact
-    t0 = time.time()
+    t0 = time.perf_counter()
     batch, info = rollout(raw_model, ref_model, step_rows(it), it, rank, cfg, enc, reward_fns, reward_weights,
                           resample_rows(it))
-    t1 = time.time()
-    stats, step, bad = policy_update(batch, optimizer, step, total_steps)
-    t2 = time.time()
+    mem_rollout, t1 = memory_mb(), time.perf_counter()
+    stats, step, bad, times = policy_update(batch, optimizer, step, total_steps)
+    mem_train, t2 = memory_mb(), time.perf_counter()
     bad_in_row = bad_in_row + bad if bad else 0
     if bad_in_row >= max_bad_steps:
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
                          f"(iteration {it}); the last good checkpoint in {out_dir} is intact. Lower learning_rate "
                          f"or check the rewards, then resume with init_from='resume'")
-    # logging: everything is summed over ranks first, so the line describes the whole step
+    # logging: gathered over ranks first, so the line describes the whole step
     rewards = gather(info['rewards'].to(device)).cpu()
-    correct = gather(torch.tensor(info['per_fn'][reward_fns[0].__name__], dtype=torch.float64).nan_to_num().to(device))
+    correct = gather(info['correct'].to(device)).cpu()
     lengths = gather(info['lengths'].to(device)).cpu().double()
     truncated = gather(info['truncated'].to(device)).cpu().double()
-    flat = (rewards.view(-1, num_generations).nan_to_num().std(1) == 0).double().mean()
     B, T = batch['idx'].shape
-    gen_tokens = lengths.sum().item()
-    train_tokens = B * T * num_iterations * world_size
-    mfu = train_tokens * raw_model.flops_per_token(T, backward=True) / (t2 - t1) / world_size / peak
-    m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(), acc=(correct >= 1).double().mean().item(),
-             flat_groups=flat.item(), len_mean=lengths.mean().item(), len_max=lengths.max().item(),
-             truncated=truncated.mean().item(), dropped_groups=info['dropped_groups'], bad_steps=bad,
-             rollout_tok_s=gen_tokens / (t1 - t0), train_tok_s=train_tokens / (t2 - t1), mfu=mfu, dt=t2 - t0, **stats)
-    log(m, f"iter {it}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f} | flat {m['flat_groups']:.2f} "
-           f"| len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl {m['kl']:.4f} "
-           f"| clip {m['clip_ratio/region']:.3f} | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} "
-           f"| rollout {m['rollout_tok_s']:.0f} tok/s | train {m['train_tok_s']:.0f} tok/s | mfu {100 * mfu:.1f}% "
-           f"| {m['dt']:.2f}s" + (f" | {bad} non-finite step(s) skipped" if bad else ""))
+    # model FLOPs of the update: the body runs over all T positions, the output layer only over the C completions
+    head = 6 * raw_model.config.vocab_size * raw_model.config.n_embd
+    flops = B * num_iterations * (T * (raw_model.flops_per_token(T) - head) + max_completion_length * head)
+    m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(),
+             acc=(correct.nan_to_num() >= 1).double().mean().item(),
+             flat_groups=(rewards.view(-1, num_generations).nan_to_num().std(1) == 0).double().mean().item(),
+             len_mean=lengths.mean().item(), len_max=lengths.max().item(), truncated=truncated.mean().item(),
+             dropped_groups=info['dropped_groups'], bad_steps=bad, rollout_tok_s=lengths.sum().item() / (t1 - t0),
+             train_tok_s=B * T * num_iterations * world_size / (t2 - t1), mfu=flops / (t2 - t1) / peak, dt=t2 - t0,
+             mem_mb=max(mem_rollout, mem_train), **stats)
+    for k, v in info['time'].items():  # seconds per phase; 'comm' has parts in both
+        m[f'time/{k}'] = v + times.pop(k, 0.0)
+    m.update({f'time/{k}': v for k, v in times.items()})
+    log(m, f"iter {it}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f} | flat "
+           f"{m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl "
+           f"{m['kl']:.4f} | clip {m['clip_ratio/region']:.3f} | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} | "
+           f"rollout {m['rollout_tok_s']:.0f} tok/s | train {m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | "
+           f"{m['dt']:.2f}s" + (f" | {bad} non-finite step(s) skipped" if bad else ""))
 
 if ddp:
     dist.destroy_process_group()

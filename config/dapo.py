@@ -17,5 +17,5 @@ prompts_per_step = 32
 num_generations = 8
 steps_per_generation = 2
 micro_batch_size = 64
-max_iters = 60
-learning_rate = 3e-4
+max_iters = 1200
+learning_rate = 1e-4

@@ -10,5 +10,5 @@ kl_estimator = 'k3'
 prompts_per_step = 32
 num_generations = 8
 micro_batch_size = 64
-max_iters = 60
-learning_rate = 3e-4
+max_iters = 1200
+learning_rate = 1e-4
