@@ -285,8 +285,9 @@ def train_step(args):
     return timed_peak(step, args)
 
 def bench_train_step(args, model, results):
-    """One training step over the whole GRPO batch: tokens/s, MFU (needs the peak section first) and peak memory
-    above the weights and batch (gradients, AdamW state, activations)."""
+    """One training step over the whole GRPO batch: tokens/s (prompt and completion tokens, as train.py's
+    train_tok_s), MFU (needs the peak section first) and peak memory above the weights and batch (gradients, AdamW
+    state, activations)."""
     seconds, peak = in_fresh_process(train_step, args)
     rows, T = args.prompts * args.G, args.prompt_len + args.new_tokens
     results["train_step"] = dict(
