@@ -81,7 +81,8 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
     """Decode and score completions. Returns rewards (N,) with NaN = not applicable, truncated (N,), texts, per-fn."""
     G = num_samples or cfg.num_generations
     ids = [t[:n] for t, n in zip(tokens.tolist(), mask.sum(1).tolist())]
-    completions = [enc.decode(c[:-1] if c and c[-1] == enc.eot_token else c) for c in ids]
+    # the text leaves out the eos, and ids past the tokenizer's vocabulary that a padded output layer can sample
+    completions = [enc.decode([x for x in c if x < enc.n_vocab and x != enc.eot_token]) for c in ids]
     truncated = [len(c) == cfg.max_completion_length and c[-1] != enc.eot_token for c in ids]
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != 'prompt'}
     columns.update(completion_ids=ids, truncated=truncated, max_completion_length=cfg.max_completion_length)

@@ -436,7 +436,8 @@ for it in range(iter_start, max_iters + 1):
              acc=(correct.nan_to_num() >= 1).double().mean().item(),
              flat_groups=(rewards.view(-1, num_generations).nan_to_num().std(1) == 0).double().mean().item(),
              len_mean=lengths.mean().item(), len_max=lengths.max().item(), truncated=truncated.mean().item(),
-             dropped_groups=info['dropped_groups'], bad_steps=bad, rollout_tok_s=lengths.sum().item() / (t1 - t0),
+             dropped_groups=info['dropped_groups'], bad_steps=bad,
+             rollout_tok_s=lengths.sum().item() / info['time']['generate'],
              train_tok_s=B * T * num_iterations * world_size / (t2 - t1), mfu=flops / (t2 - t1) / peak, dt=t2 - t0,
              mem_mb=max(mem_rollout, mem_train), **stats)
     for k, v in info['time'].items():  # seconds per phase; 'comm' has parts in both

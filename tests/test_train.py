@@ -51,3 +51,9 @@ def test_torchrun_two_processes_writes_a_loadable_checkpoint(tmp_path):
     model = GPT.from_pretrained(os.path.join(out, json.load(open(out / 'latest'))))
     assert model.config.n_layer == 1
     assert len([m for m in metrics(out) if 'reward' in m]) == 2  # only the master process logs
+
+
+def test_padded_vocab(tmp_path):
+    """An output layer wider than the tokenizer (nanoGPT pads to 50304) samples ids the tokenizer cannot decode:
+    they stay in the completion's tokens but not in its text."""
+    run(['--max_iters=1', '--vocab_size=320', '--sft_iters=0'], tmp_path / 'out')
