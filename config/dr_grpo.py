@@ -1,7 +1,7 @@
 # Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"): the default run.
 # No std scaling of advantages and a constant normaliser instead of 1/|o_i|, so neither easy/hard questions nor
 # long/short answers are weighted up; no KL (beta 0), so no reference model is kept.
-# $ torchrun --standalone --nproc_per_node=2 train.py config/dr_grpo.py   (2 CPU cores, about 7 minutes)
+# $ torchrun --standalone --nproc_per_node=2 train.py config/dr_grpo.py   (2 CPU cores, about 5 minutes)
 out_dir = 'out-dr_grpo'
 loss_type = 'dr_grpo'  # token sum / (sequences x max_completion_length)
 scale_rewards = 'none'  # A_i = r_i - mean(group)
