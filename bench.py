@@ -109,7 +109,7 @@ def decode_flops(model, args, prompt_len, steps):
 
 def update_flops(model, rows, T, C):
     """Model FLOPs of a training step over `rows` sequences of T tokens whose last C are the completion: the body
-    runs over all T positions, the output layer only over the C completion positions (as train.py counts its MFU)."""
+    runs over all T positions, the output layer only over the C completion positions (train.py's MFU uses it too)."""
     head = 6 * model.config.vocab_size * model.config.n_embd  # the output layer's share of flops_per_token
     return rows * (T * (model.flops_per_token(T) - head) + C * head)
 

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 

@@ -99,7 +99,7 @@ def rollout(model, ref_model, rows, it, rank, cfg, enc, reward_fns, reward_weigh
     info with the rewards, the first reward function's values ('correct'), lengths, counts and the seconds of each
     phase, for logging.
     """
-    G, C = cfg.num_generations, cfg.max_completion_length
+    G = cfg.num_generations
     device = next(model.parameters()).device
     kept, dropped, rounds = [], 0, 0
     times, t = {}, time.perf_counter()
@@ -135,8 +135,9 @@ def rollout(model, ref_model, rows, it, rank, cfg, enc, reward_fns, reward_weigh
     idx, start = pack([g['prompt'] for g in kept for _ in range(G)], tokens.tolist(), enc.eot_token)
     batch = dict(idx=idx.to(device), start=start.to(device), mask=mask.to(device), old_logps=old_logps.to(device))
     t = lap(times, 'reward', t, device)  # packing the batch counts with scoring
-    if cfg.top_k is not None or cfg.top_p is not None or cfg.autocast:
-        # sampling log-probs came from a truncated or low-precision softmax: the ratio needs the trainer's own
+    if cfg.autocast:
+        # generate's log-probs are of the full temperature softmax (top-k/top-p only limit the draw), so they are
+        # the trainer's own; only low-precision sampling differs enough from the training forward to redo them
         batch['old_logps'] = logprobs(model, batch, cfg)
     if ref_model is not None:
         batch['ref_logps'] = logprobs(ref_model, batch, cfg)

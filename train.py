@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
-from bench import matmul_peak
+from bench import matmul_peak, update_flops
 from configurator import check_config, configure
 from data import default_reward, get_tokenizer, load_dataset
 from loss import grpo_loss
@@ -429,9 +429,7 @@ for it in range(iter_start, max_iters + 1):
     lengths = gather(info['lengths'].to(device)).cpu().double()
     truncated = gather(info['truncated'].to(device)).cpu().double()
     B, T = batch['idx'].shape
-    # model FLOPs of the update: the body runs over all T positions, the output layer only over the C completions
-    head = 6 * raw_model.config.vocab_size * raw_model.config.n_embd
-    flops = B * num_iterations * (T * (raw_model.flops_per_token(T) - head) + max_completion_length * head)
+    flops = update_flops(raw_model, B * num_iterations, T, max_completion_length)  # this rank's, in the update
     m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(),
              acc=(correct.nan_to_num() >= 1).double().mean().item(),
              flat_groups=(rewards.view(-1, num_generations).nan_to_num().std(1) == 0).double().mean().item(),

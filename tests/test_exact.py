@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
