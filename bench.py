@@ -87,9 +87,9 @@ def build_model(args):
     cfg = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(cfg).to(args.device).eval()
-    if args.compile:
-        for block in model.transformer.h:
-            block.compile(dynamic=True)  # the cache grows and the batch shrinks: shapes change every step
+    if args.compile:  # as train.py's compile: the forward (training's log-prob path) and generate's decode step
+        model.compile()
+        model.decode = torch.compile(model.decode, fullgraph=True)
     return model
 
 def make_prompts(args, lengths=None):
@@ -200,6 +200,14 @@ def matmul_share(model, args, prompts):
                     if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
     return matmul_us / 1e6 / seconds
 
+def decode_overhead(args, T):
+    """Seconds of host overhead (Python, dispatch, kernel launches) per decode step: the step time of a model with
+    the same layers, rows and lengths but tiny widths, whose arithmetic is next to nothing."""
+    tiny = argparse.Namespace(**{**vars(args), "n_embd": 4 * args.n_head, "vocab_size": 64})
+    model, prompts = build_model(tiny), make_prompts(tiny)
+    steps = timed(lambda: generate(model, tiny, prompts, T), args.device, args.repeat)
+    return (steps - timed(lambda: generate(model, tiny, prompts, 1), args.device, args.repeat)) / (T - 1)
+
 def bench_sampling(args, model, results):
     """Prefill and decode of model.generate, its MFU (needs the peak section first) and matmul share, the naive
     sampler, and a batch where half the rows end early."""
@@ -213,6 +221,7 @@ def bench_sampling(args, model, results):
     r["decode_mfu"] = decode_flops(model, args, args.prompt_len, T) / decode / (results["peak"]["tflops"] * 1e12)
     r["decode_matmul_share"] = matmul_share(model, args, prompts)
     r["naive_ms"] = naive * 1e3
+    r["decode_overhead_share"] = decode_overhead(args, T) / (decode / (T - 1))
     r["speedup_vs_naive"] = naive / total
 
     # early EOS: half the prompts are half as long, and the model is edited so that EOS is near certain at a few
@@ -230,9 +239,15 @@ def bench_sampling(args, model, results):
     early = timed(lambda: generate(edited, args, mixed, T, eos_id=eos), args.device, args.repeat)
     full = timed(lambda: generate(edited, args, mixed, T), args.device, args.repeat)
     _, mask, _ = generate(edited, args, mixed, T, eos_id=eos)
-    r["early_eos_rows_done_early"] = float((mask.sum(1) < T).float().mean())
+    ended = mask.sum(1) < T
+    r["early_eos_rows_done_early"] = float(ended.float().mean())
     r["early_eos_time_vs_full"] = early / full
-    r["early_eos_ideal_ratio"] = float(mask.sum()) / mask.numel()  # if a finished row cost nothing at all
+    r["early_eos_ideal_ratio"] = float(mask.sum()) / mask.numel()  # if time were proportional to live tokens
+    # if a finished row cost nothing on this machine: all rows until the last early one ends, then the others alone
+    # (a step over half the rows costs more than half a step: the weights are read all the same)
+    k, rest = int(mask[ended].sum(1).max()), [p for i, p in enumerate(mixed) if not ended[i * args.G]]
+    part = lambda prompts, steps: timed(lambda: generate(edited, args, prompts, steps), args.device, args.repeat)
+    r["early_eos_bound_vs_full"] = (part(mixed, k) + part(rest, T) - part(rest, k)) / full
 
 def logprob_pass(args, naive):
     """Run in a fresh process: (seconds, peak memory above the weights and inputs in bytes) of one log-prob pass over

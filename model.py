@@ -39,13 +39,14 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if kv is not None:
-            # kv (2, rows, nh, S, hs) is this layer's static cache; a prefill of one prompt (B=1) broadcasts
-            # into all of that prompt's sample rows
-            kv[0, :, :, col:col + T] = k
-            kv[1, :, :, col:col + T] = v
-            if key_mask is not None:  # decoding: attend to everything cached so far
-                k, v = kv[0, :, :, :col + T], kv[1, :, :, :col + T]  # (B, nh, col+T, hs)
+        # kv: this layer's static cache, keys and values (rows, nh, S, hs)
+        if kv is not None and key_mask is None:  # prefill of one prompt (B=1): broadcast into its sample rows
+            kv[0][:, :, col:col + T] = k
+            kv[1][:, :, col:col + T] = v
+        elif kv is not None:  # decoding: col is a tensor, so every step runs the same shapes; key_mask hides
+            kv[0].index_copy_(2, col, k)  # the columns not written yet
+            kv[1].index_copy_(2, col, v)
+            k, v = kv  # (B, nh, S, hs)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, is_causal=key_mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
@@ -211,13 +212,16 @@ class GPT(nn.Module):
         N, P = len(prompts) * G, max(len(p) for p in prompts)
         S = P + max_new_tokens - 1  # the last sampled token is never fed back
         lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(G)  # (N,)
-        # zeros, not empty: masked columns get attention weight 0, and 0 * NaN garbage would still be NaN
-        kv = torch.zeros(cfg.n_layer, 2, N, cfg.n_head, S, cfg.n_embd // cfg.n_head, dtype=dtype, device=dev)
+        # each layer's keys and values (N, nh, S, hs), two tensors that a compiled decode can update in place; zeros,
+        # not empty: masked columns get attention weight 0, and 0 * NaN garbage would still be NaN
+        kv = [[torch.zeros(N, cfg.n_head, S, cfg.n_embd // cfg.n_head, dtype=dtype, device=dev) for _ in "kv"]
+              for _ in range(cfg.n_layer)]
+        rows_of = lambda r: [(k[r], v[r]) for k, v in kv]  # the cache of some rows: a slice (view) or a gather
         key_mask = torch.arange(S, device=dev) >= (P - lens)[:, None]  # (N, S) False on each row's left padding
         logits = torch.empty(N, cfg.vocab_size, device=dev)
         for i, p in enumerate(prompts):
             rows = slice(i * G, (i + 1) * G)
-            h = self._hidden(torch.tensor(p, device=dev)[None], kv=kv[:, :, rows], col=P - len(p))  # (1, len, C)
+            h = self._hidden(torch.tensor(p, device=dev)[None], kv=rows_of(rows), col=P - len(p))  # (1, len, C)
             logits[rows] = self.lm_head(h[:, -1])  # one row of logits, which each sample row draws from on its own
 
         # every uniform the sampler will use, drawn up front: two per row and step (see _draw)
@@ -232,9 +236,10 @@ class GPT(nn.Module):
         logps = torch.zeros(max_new_tokens, N, device=dev)
         live = torch.arange(N, device=dev)  # output row of each batch row; the batch shrinks as rows finish
         done = torch.zeros(N, dtype=torch.bool, device=dev)
+        cols = torch.arange(P, S, device=dev)  # the cache column of each step's input token, the same for every row
         check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
+        tok, lp = sample(logits, temperature, top_k, top_p, u[0])  # (N,), (N,)
         for t in range(max_new_tokens):
-            tok, lp = sample(logits, temperature, top_k, top_p, u[t].index_select(0, live))  # (n,), (n,)
             tokens[t].index_copy_(0, live, tok.masked_fill(done, fill))
             logps[t].index_copy_(0, live, lp.masked_fill(done, 0.0))
             if eos_id is not None:
@@ -246,12 +251,10 @@ class GPT(nn.Module):
                 if keep.numel() == 0:
                     break
                 if keep.numel() <= 0.75 * done.numel():  # drop finished rows, but not for a few: it copies the cache
-                    kv, live, lens, key_mask = kv.index_select(2, keep), live[keep], lens[keep], key_mask[keep]
+                    kv, live, lens, key_mask = rows_of(keep), live[keep], lens[keep], key_mask[keep]
                     tok, done = tok[keep], done[keep]
-            col = P + t  # every row's newest token sits in the same cache column
-            h = self._hidden(tok[:, None], pos=(lens + t)[:, None], kv=kv, col=col,
-                             key_mask=key_mask[:, None, None, :col + 1])  # (n, 1, C)
-            logits = self.lm_head(h[:, -1])  # (n, V)
+            tok, lp = self.decode(tok, lens + t, kv, cols[t:t + 1], key_mask, u[t + 1].index_select(0, live),
+                                  temperature, top_k, top_p)
 
         tokens, logps = tokens.t(), logps.t()  # (N, max_new_tokens)
         if eos_id is None:
@@ -261,6 +264,16 @@ class GPT(nn.Module):
             mask = (is_eos.cumsum(1) - is_eos) == 0
         L = int(mask.any(0).sum())  # rows only ever end, so the steps with a live row are a prefix
         return tokens[:, :L].contiguous(), mask[:, :L].contiguous(), logps[:, :L].contiguous()
+
+    def decode(self, tok, pos, kv, col, key_mask, u, temperature, top_k, top_p):
+        """One step of generate: feed tok (n,) at positions pos (n,), its keys and values going into cache column col
+        (a one-element tensor: every row's newest token sits in the same column), and sample the next tokens and
+        their log-probs (n,), (n,) with the uniforms u (n, 2). The shapes are the same at every step (attention
+        covers the whole cache; key_mask (n, S) and col hide the padding and what is not written yet), so
+        torch.compile turns the step, sampling included, into one graph: train.py's compile does."""
+        mask = key_mask & (torch.arange(key_mask.size(1), device=col.device) <= col)  # (n, S)
+        h = self._hidden(tok[:, None], pos=pos[:, None], kv=kv, col=col, key_mask=mask[:, None, None])  # (n, 1, C)
+        return sample(self.lm_head(h[:, -1]), temperature, top_k, top_p, u)
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None):

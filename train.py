@@ -15,7 +15,6 @@ Batch arithmetic, per iteration (one rollout):
 loss.py's step-wide normalisers are summed over ranks and micro-batches, so the update is the same whatever the
 split: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameters.
 """
-import copy
 import functools
 import json
 import math
@@ -203,7 +202,8 @@ if model.config.block_size < block_size:
 model.to(device=device, dtype=param_dtype)
 raw_model = model
 if compile:
-    model = torch.compile(model)
+    model = torch.compile(model)  # the training forward, i.e. the log-prob path
+    raw_model.decode = torch.compile(raw_model.decode, fullgraph=True)  # generate's step, sampling included
 if ddp:
     model = DDP(model, device_ids=[int(device.split(':')[1])] if device_type == 'cuda' else None)
 
@@ -390,9 +390,9 @@ elif sft_iters > 0:
         print(f"warm start: {how} ({time.time() - t:.1f}s)", flush=True)
 ref_model = None
 if beta > 0:  # the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
-    ref_model = copy.deepcopy(raw_model) if init_from != 'resume' else \
-        GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype)
-    ref_model.to(device, param_dtype).eval().requires_grad_(False)
+    ref_model = GPT(raw_model.config).to(device, param_dtype).eval().requires_grad_(False)  # not a deepcopy: it
+    ref_model.load_state_dict(raw_model.state_dict() if init_from != 'resume' else  # would share the compiled decode
+                              GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict())
 peak = peak_flops or matmul_peak(device)[0]
 if master:
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "

@@ -99,6 +99,19 @@ def test_eos_ends_rows_and_compacts_batch(tiny):
         assert (tokens[row, n:] == eos).all() and (logps[row, n:] == 0).all()
     assert tokens.size(1) == int(mask.sum(1).max())  # no trailing all-padding steps
 
+def test_decode_step_compiles_to_one_graph():
+    """generate's decode step has the same shapes at every step and no graph breaks (fullgraph), so torch.compile
+    traces it once for a whole generate call, not once per token. Dynamo's eager backend: tracing without codegen."""
+    model = GPT.from_pretrained(FIXTURE).eval()
+    eager = model.generate(PROMPTS, 10, num_samples=2, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.decode = torch.compile(model.decode, fullgraph=True, backend="eager")
+    traced = model.generate(PROMPTS, 10, num_samples=2, generator=torch.Generator().manual_seed(0))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for a, b in zip(eager, traced):
+        assert torch.equal(a, b)
+
 def test_ragged_batch_equals_each_prompt_alone(tiny):
     eos = 226  # frequent in this checkpoint's greedy continuations: rows end at different steps
     tokens, mask, logps = tiny.generate(PROMPTS, 16, temperature=0, eos_id=eos)

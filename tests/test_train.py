@@ -1,5 +1,6 @@
 """train.py end to end, as a user runs it: every recipe for two iterations, and a 2-process torchrun (gloo)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -57,3 +58,17 @@ def test_padded_vocab(tmp_path):
     """An output layer wider than the tokenizer (nanoGPT pads to 50304) samples ids the tokenizer cannot decode:
     they stay in the completion's tokens but not in its text."""
     run(['--max_iters=1', '--vocab_size=320', '--sft_iters=0'], tmp_path / 'out')
+
+
+def test_compile(tmp_path):
+    """compile=True (the CUDA recipe's setting) on the CPU: the compiled training forward and decode step run, the
+    first rollout, sampled by the compiled step from the same weights, is the eager one, and so is its gradient."""
+    first = {}
+    for flag in ('False', 'True'):
+        run(['config/dr_grpo.py', '--max_iters=2', f'--compile={flag}'], tmp_path / flag)
+        rows = [m for m in metrics(tmp_path / flag) if 'reward' in m]
+        assert len(rows) == 2 and all(math.isfinite(m['grad_norm']) for m in rows)
+        first[flag] = rows[0]
+    for key in ('reward', 'len_mean', 'truncated'):
+        assert first['True'][key] == first['False'][key], key
+    assert first['True']['grad_norm'] == pytest.approx(first['False']['grad_norm'], rel=1e-4)
