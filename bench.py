@@ -124,6 +124,19 @@ def in_fresh_process(fn, *fn_args):
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *fn_args).result()
 
+def memory_mb(device):
+    """CUDA: the peak allocated since the last call. CPU: the resident memory now (peak where /proc is missing).
+    train.py logs it as mem_mb."""
+    if torch.device(device).type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**20
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
 def timed_peak(fn, args):
     """(best seconds of fn(), its peak memory in bytes above what is held before the first call): allocated bytes on
     CUDA; on CPU the resident set, whose high-water mark only means this when called in_fresh_process."""
@@ -132,8 +145,7 @@ def timed_peak(fn, args):
         base = torch.cuda.memory_allocated()
         seconds = timed(fn, args.device, args.repeat)
         return seconds, torch.cuda.max_memory_allocated() - base
-    with open("/proc/self/statm") as f:
-        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident now
+    base = memory_mb("cpu") * 2**20  # resident now
     seconds = timed(fn, args.device, args.repeat)
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
 

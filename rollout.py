@@ -16,6 +16,7 @@ Randomness is per prompt, not per rank: prompt j of iteration `it` is sampled fr
 (seed, it, j). So a prompt gets the same completions whichever rank, batch or resume it lands in, and a run on
 1 GPU and on 8 sees the same rollouts (up to float rounding of the logits).
 """
+import functools
 import time
 
 import torch
@@ -48,6 +49,27 @@ def gather(t):
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts)
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n, seed, epoch):
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def step_rows(train_rows, it, rank, cfg):
+    """This rank's prompts of iteration it: a seeded reshuffle of the train set each epoch, cut across ranks.
+    The position in the data is a function of the iteration, so a resume needs nothing else."""
+    n, per_rank = len(train_rows), cfg.prompts_per_step // cfg.world_size
+    first = it * cfg.prompts_per_step + rank * per_rank
+    return [dict(train_rows[_epoch_order(n, cfg.seed, pos // n)[pos % n]], _id=pos)
+            for pos in range(first, first + per_rank)]
+
+
+def extra_rows(train_rows, n, it, rank, round_, cfg):
+    """Dynamic sampling's n extra prompts in a resampling round: random train rows, seeded by (it, rank, round)."""
+    g = torch.Generator().manual_seed(prompt_seed(cfg.seed, it, rank, round_))
+    return [dict(train_rows[i], _id=(rank, round_, k))
+            for k, i in enumerate(torch.randint(len(train_rows), (n,), generator=g).tolist())]
 
 
 def pack(prompts, completions, pad):
@@ -92,16 +114,15 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
     return rewards, torch.tensor(truncated), completions, per_fn
 
 
-def rollout(model, ref_model, rows, it, rank, cfg, enc, reward_fns, reward_weights, resample):
+def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
     """
-    rows: this rank's prompt rows for iteration `it`, each with a global '_id'. resample(n, round) -> n more rows
-    (used by dynamic sampling). Returns (batch, info): batch as in the module docstring (on the model's device),
+    Rollouts of this rank's prompts of iteration `it` (step_rows; dynamic sampling adds extra_rows). Returns (batch, info): batch as in the module docstring (on the model's device),
     info with the rewards, the first reward function's values ('correct'), lengths, counts and the seconds of each
     phase, for logging.
     """
     G = cfg.num_generations
     device = next(model.parameters()).device
-    kept, dropped, rounds = [], 0, 0
+    rows, kept, dropped, rounds = step_rows(train_rows, it, rank, cfg), [], 0, 0
     times, t = {}, time.perf_counter()
     while True:  # one pass without dynamic sampling; with it, refill until the batch holds informative groups
         prompts, tokens, mask, logps = sample(model, rows, [prompt_seed(cfg.seed, it, r['_id']) for r in rows],
@@ -126,7 +147,7 @@ def rollout(model, ref_model, rows, it, rank, cfg, enc, reward_fns, reward_weigh
             kept = (kept + [g for g, f in zip(groups, flat) if f])[:want]
             break
         rounds += 1
-        rows = resample(want - len(kept), rounds)
+        rows = extra_rows(train_rows, want - len(kept), it, rank, rounds, cfg)
     cat = lambda key: torch.cat([g[key] for g in kept])
     tokens, mask, old_logps = cat('tokens'), cat('mask'), cat('logps')
     rewards, truncated, correct = cat('rewards'), cat('truncated'), cat('correct')

@@ -15,11 +15,9 @@ Batch arithmetic, per iteration (one rollout):
 loss.py's step-wide normalisers are summed over ranks and micro-batches, so the update is the same whatever the
 split: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameters.
 """
-import functools
 import json
 import math
 import os
-import resource
 import sys
 import time
 from types import SimpleNamespace
@@ -29,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
-from bench import matmul_peak, update_flops
+from bench import matmul_peak, memory_mb, update_flops
 from configurator import check_config, configure
 from data import default_reward, get_tokenizer, load_dataset
 from loss import grpo_loss
@@ -159,29 +157,6 @@ for rows, name in ((train_rows, task), (test_rows, test_task or task)):
     if longest + max_completion_length > block_size:
         raise ValueError(f"{name}: longest prompt is {longest} tokens, + max_completion_length={max_completion_length} "
                          f"> block_size={block_size}; shorten prompts or max_completion_length, or raise block_size")
-
-
-@functools.lru_cache(maxsize=2)
-def epoch_order(epoch):
-    return torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-
-
-def step_rows(it):
-    """This rank's prompts of iteration it: a seeded reshuffle of the train set each epoch, cut across ranks.
-    The position in the data is a function of the iteration, so a resume needs nothing else."""
-    per_rank = prompts_per_step // world_size
-    first = it * prompts_per_step + rank * per_rank
-    return [dict(train_rows[epoch_order(pos // len(train_rows))[pos % len(train_rows)]], _id=pos)
-            for pos in range(first, first + per_rank)]
-
-
-def resample_rows(it):
-    """Dynamic sampling's extra prompts at iteration it: random train rows, seeded by (it, rank, round)."""
-    def more(n, round_):
-        g = torch.Generator().manual_seed(prompt_seed(seed, it, rank, round_))
-        return [dict(train_rows[i], _id=(rank, round_, k))
-                for k, i in enumerate(torch.randint(len(train_rows), (n,), generator=g).tolist())]
-    return more
 
 
 # model
@@ -349,19 +324,6 @@ def save(it):
         dist.barrier()
 
 
-def memory_mb():
-    """CUDA: the peak allocated since the last call. CPU: the resident memory now (peak where /proc is missing)."""
-    if device_type == 'cuda':
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak / 2**20
-    try:
-        with open('/proc/self/statm') as f:
-            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-
-
 def log(metrics, line):
     if not master:
         return
@@ -413,21 +375,18 @@ for it in range(iter_start, max_iters + 1):
         ref_model.load_state_dict(raw_model.state_dict())
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout's randomness follows the iteration: resume is exact
     t0 = time.perf_counter()
-    batch, info = rollout(raw_model, ref_model, step_rows(it), it, rank, cfg, enc, reward_fns, reward_weights,
-                          resample_rows(it))
-    mem_rollout, t1 = memory_mb(), time.perf_counter()
+    batch, info = rollout(raw_model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights)
+    mem_rollout, t1 = memory_mb(device), time.perf_counter()
     stats, step, bad, times = policy_update(batch, optimizer, step, total_steps)
-    mem_train, t2 = memory_mb(), time.perf_counter()
+    mem_train, t2 = memory_mb(device), time.perf_counter()
     bad_in_row = bad_in_row + bad if bad else 0
     if bad_in_row >= max_bad_steps:
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
                          f"(iteration {it}); the last good checkpoint in {out_dir} is intact. Lower learning_rate "
                          f"or check the rewards, then resume with init_from='resume'")
     # logging: gathered over ranks first, so the line describes the whole step
-    rewards = gather(info['rewards'].to(device)).cpu()
-    correct = gather(info['correct'].to(device)).cpu()
-    lengths = gather(info['lengths'].to(device)).cpu().double()
-    truncated = gather(info['truncated'].to(device)).cpu().double()
+    rewards, correct, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
+                                            for k in ('rewards', 'correct', 'lengths', 'truncated'))
     B, T = batch['idx'].shape
     flops = update_flops(raw_model, B * num_iterations, T, max_completion_length)  # this rank's, in the update
     m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(),

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 from safetensors.torch import load_file
@@ -30,6 +31,7 @@ def launch(runs, tmp_path, launcher=(sys.executable,), name='runs.json', check=T
         # (cause not found; a gloo start-up or teardown race is suspected): launch once more, keeping the first
         # failure's output in the error, so a real bug, which fails every time, still fails the test
         first = f"{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+        warnings.warn(f"{launcher} {name} failed and was relaunched; its output, to find the cause:\n{first}")
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
         if p.returncode != 0:
             raise AssertionError(f"{launcher} {name} failed twice:\n{first}\n---\n{p.stdout[-2000:]}\n"
