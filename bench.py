@@ -68,15 +68,21 @@ def sync(device):
 
 def timed(fn, device, repeat, warmup=1):
     """Best wall-clock seconds of fn() over `repeat` runs, after `warmup` untimed ones."""
-    for _ in range(warmup):
+    return timed_rounds([fn], device, repeat, warmup)[0]
+
+def timed_rounds(fns, device, repeat, warmup=1):
+    """Best seconds of each of fns, timed in turn, `repeat` rounds: numbers meant to be compared, e.g. as a ratio,
+    then see the same slow spells of a shared machine."""
+    for fn in fns * warmup:
         fn()
-    best = float("inf")
+    best = [float("inf")] * len(fns)
     for _ in range(repeat):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
+        for i, fn in enumerate(fns):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 def autocast(args):
@@ -248,18 +254,18 @@ def bench_sampling(args, model, results):
         # the residual stream keeps the position embedding's direction 0; ln_f turns it into a huge EOS logit there
         edited.transformer.wpe.weight[hit:hit + 4, 0] = 100.0
         edited.transformer.wte.weight[eos, 0] = 2.0
-    early = timed(lambda: generate(edited, args, mixed, T, eos_id=eos), args.device, args.repeat)
-    full = timed(lambda: generate(edited, args, mixed, T), args.device, args.repeat)
     _, mask, _ = generate(edited, args, mixed, T, eos_id=eos)
     ended = mask.sum(1) < T
     r["early_eos_rows_done_early"] = float(ended.float().mean())
-    r["early_eos_time_vs_full"] = early / full
     r["early_eos_ideal_ratio"] = float(mask.sum()) / mask.numel()  # if time were proportional to live tokens
     # if a finished row cost nothing on this machine: all rows until the last early one ends, then the others alone
     # (a step over half the rows costs more than half a step: the weights are read all the same)
     k, rest = int(mask[ended].sum(1).max()), [p for i, p in enumerate(mixed) if not ended[i * args.G]]
-    part = lambda prompts, steps: timed(lambda: generate(edited, args, prompts, steps), args.device, args.repeat)
-    r["early_eos_bound_vs_full"] = (part(mixed, k) + part(rest, T) - part(rest, k)) / full
+    run = lambda prompts, steps, eos_id=None: lambda: generate(edited, args, prompts, steps, eos_id)
+    early, full, *bound = timed_rounds([run(mixed, T, eos), run(mixed, T), run(mixed, k), run(rest, T), run(rest, k)],
+                                       args.device, args.repeat)
+    r["early_eos_time_vs_full"] = early / full
+    r["early_eos_bound_vs_full"] = (bound[0] + bound[1] - bound[2]) / full
 
 def logprob_pass(args, naive):
     """Run in a fresh process: (seconds, peak memory above the weights and inputs in bytes) of one log-prob pass over
