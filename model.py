@@ -151,7 +151,8 @@ class GPT(nn.Module):
         per row (causal attention never looks at the padding), start (B,) each row's prompt length. The output layer
         runs in chunks of rows, recomputed in backward, so a float32 (B, T, vocab) tensor never exists."""
         B, T = idx.shape
-        if int(start.min()) < 1 or int(start.max()) + length > T:
+        # checked when run eagerly; a compiled graph would break at the host sync
+        if not torch.compiler.is_compiling() and (int(start.min()) < 1 or int(start.max()) + length > T):
             raise ValueError(f"logprobs needs 1 <= start and start + length <= T, got start in "
                              f"[{int(start.min())}, {int(start.max())}], length {length}, T {T}")
         h = self._hidden(idx)  # (B, T, C)
