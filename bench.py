@@ -227,9 +227,14 @@ def decode_overhead(args, T):
     steps = timed(lambda: generate(model, tiny, prompts, T), args.device, args.repeat)
     return (steps - timed(lambda: generate(model, tiny, prompts, 1), args.device, args.repeat)) / (T - 1)
 
+def sampling_peak(args):
+    """Run in a fresh process: peak memory in bytes of one generate call above the weights (cache, logits, draws)."""
+    model, prompts, once = build_model(args), make_prompts(args), argparse.Namespace(**{**vars(args), "repeat": 1})
+    return timed_peak(lambda: generate(model, args, prompts, args.new_tokens), once)[1]
+
 def bench_sampling(args, model, results):
-    """Prefill and decode of model.generate, its MFU (needs the peak section first) and matmul share, the naive
-    sampler, and a batch where half the rows end early."""
+    """Prefill and decode of model.generate, its MFU (needs the peak section first), matmul share, host overhead
+    and peak memory, the naive sampler, and a batch where half the rows end early."""
     prompts, rows, T = make_prompts(args), args.prompts * args.G, args.new_tokens
     prefill = timed(lambda: generate(model, args, prompts, 1), args.device, args.repeat)
     total = timed(lambda: generate(model, args, prompts, T), args.device, args.repeat)
@@ -241,6 +246,7 @@ def bench_sampling(args, model, results):
     r["decode_matmul_share"] = matmul_share(model, args, prompts)
     r["naive_ms"] = naive * 1e3
     r["decode_overhead_share"] = decode_overhead(args, T) / (decode / (T - 1))
+    r["peak_mb"] = in_fresh_process(sampling_peak, args) / 2**20
     r["speedup_vs_naive"] = naive / total
 
     # early EOS: half the prompts are half as long, and the model is edited so that EOS is near certain at a few
