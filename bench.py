@@ -208,8 +208,11 @@ def naive_seconds(model, args, prompts):
         step.append(timed(lambda: naive_generate(model, args, longer, 1), args.device, 1))
     return sum(step) / len(step) * args.new_tokens
 
-def matmul_share(model, args, prompts):
-    """Share of a whole generate call's wall time spent inside matmul kernels, from the profiler."""
+def matmul_share(args):
+    """Run in a fresh process (a profiler run leaves state that inflates later processes' memory peaks): share of a
+    whole generate call's wall time spent inside matmul kernels, from the profiler."""
+    model, prompts = build_model(args), make_prompts(args)
+    generate(model, args, prompts, args.new_tokens)  # warm-up
     activity = torch.profiler.ProfilerActivity
     cuda = args.device.startswith("cuda")
     # on CUDA an aten op's device time is that of the kernels it launched
@@ -243,7 +246,7 @@ def bench_sampling(args, model, results):
     r = results["sampling"] = dict(rows=rows, prefill_ms=prefill * 1e3, decode_ms=decode * 1e3,
                                    generated_tokens_per_s=rows * T / total, decode_tokens_per_s=rows * (T - 1) / decode)
     r["decode_mfu"] = decode_flops(model, args, args.prompt_len, T) / decode / (results["peak"]["tflops"] * 1e12)
-    r["decode_matmul_share"] = matmul_share(model, args, prompts)
+    r["decode_matmul_share"] = in_fresh_process(matmul_share, args)
     r["naive_ms"] = naive * 1e3
     r["decode_overhead_share"] = decode_overhead(args, T) / (decode / (T - 1))
     r["peak_mb"] = in_fresh_process(sampling_peak, args) / 2**20
@@ -363,8 +366,8 @@ SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step,
 def soak(args, iters=200, every=20, warmup=40, limit=0.02):
     """Memory soak: `iters` iterations of a tiny model through train.py, evals and checkpoints included. A leak (a
     tensor kept per iteration, a cache that grows) shows as mem_mb creeping up, so after `warmup` iterations its
-    spread (max - min) / min must stay within `limit`. glibc's malloc is told to always map big blocks of its own
-    and unmap them when freed (a fixed mmap threshold), otherwise the resident set moves up and down by tens of MB
+    spread (max - min) / min must stay within `limit`. glibc's malloc gets a fixed mmap threshold, so that it maps
+    big blocks on their own and unmaps them when freed: otherwise the resident set moves up and down by tens of MB
     with what it happens to keep. Prints mem_mb every `every` iterations; returns the verdict."""
     with tempfile.TemporaryDirectory() as out_dir:
         mem = [m["mem_mb"] for m in run_train(args, out_dir, env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072"),
