@@ -369,11 +369,11 @@ def soak(args, iters=200, every=20, warmup=40, limit=0.02):
     spread (max - min) / min must stay within `limit`. glibc's malloc gets a fixed mmap threshold, so that it maps
     big blocks on their own and unmaps them when freed: otherwise the resident set moves up and down by tens of MB
     with what it happens to keep. Prints mem_mb every `every` iterations; returns the verdict."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     with tempfile.TemporaryDirectory() as out_dir:
-        mem = [m["mem_mb"] for m in run_train(args, out_dir, env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072"),
-                                              n_layer=2, n_head=2, n_embd=64, prompts_per_step=4, num_generations=4,
-                                              micro_batch_size=16, eval_interval=50, save_interval=50,
-                                              max_iters=iters)]
+        mem = [m["mem_mb"] for m in run_train(args, out_dir, env, n_layer=2, n_head=2, n_embd=64, prompts_per_step=4,
+                                              num_generations=4, micro_batch_size=16, eval_interval=50,
+                                              save_interval=50, max_iters=iters)]
     for i in sorted({*range(0, iters, every), iters - 1}):
         print(f"iter {i:4d}  mem_mb {mem[i]:.1f}")
     low, high = min(mem[warmup:]), max(mem[warmup:])
