@@ -116,9 +116,9 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
 
 def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
     """
-    Rollouts of this rank's prompts of iteration `it` (step_rows; dynamic sampling adds extra_rows). Returns (batch, info): batch as in the module docstring (on the model's device),
-    info with the rewards, the first reward function's values ('correct'), lengths, counts and the seconds of each
-    phase, for logging.
+    Rollouts of this rank's prompts of iteration `it` (step_rows; dynamic sampling adds extra_rows). Returns
+    (batch, info): batch as in the module docstring (on the model's device), info with the rewards, the first reward
+    function's values ('correct'), lengths, counts and the seconds of each phase, for logging.
     """
     G = cfg.num_generations
     device = next(model.parameters()).device
