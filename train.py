@@ -352,8 +352,9 @@ elif sft_iters > 0:
         print(f"warm start: {how} ({time.time() - t:.1f}s)", flush=True)
 ref_model = None
 if beta > 0:  # the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
-    ref_model = GPT(raw_model.config).to(device, param_dtype).eval().requires_grad_(False)  # not a deepcopy: it
-    ref_model.load_state_dict(raw_model.state_dict() if init_from != 'resume' else  # would share the compiled decode
+    # a new module, not a deepcopy of the policy, which would share its compiled decode step
+    ref_model = GPT(raw_model.config).to(device, param_dtype).eval().requires_grad_(False)
+    ref_model.load_state_dict(raw_model.state_dict() if init_from != 'resume' else
                               GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict())
 peak = peak_flops or matmul_peak(device)[0]
 if master:
