@@ -1,66 +1,117 @@
 """
-The policy: a GPT-2 (learned positions, pre-LayerNorm, tanh-GELU MLP, tied embeddings) with the three things a GRPO
-trainer needs from it:
+The policy: one decoder-only transformer in two flavours, with the three things a GRPO trainer needs from it:
+- GPT-2 (model_type 'gpt2'): learned positions, LayerNorm, tanh-GELU MLP, tied embeddings;
+- the Llama family ('llama', 'qwen2', 'qwen3', 'mistral'): rotary positions, RMSNorm, SwiGLU MLP, grouped-query
+  attention, and per family q/k/v biases (Qwen2) or a per-head RMSNorm of queries and keys (Qwen3).
 1) logprobs(): per-token log-probs of given completions, chunked so a (B, T, vocab) float32 tensor never exists,
 2) generate(): fast sampling of many completions per prompt with a static KV cache,
-3) from_pretrained() / save_pretrained(): the Hugging Face GPT-2 checkpoint layout, without transformers.
-Module names follow Hugging Face's GPT2LMHeadModel so checkpoints map key by key.
+3) from_pretrained() / save_pretrained(): Hugging Face checkpoints without transformers (the format is hf.py's).
+Module names follow Hugging Face's GPT2LMHeadModel; hf.py maps the Llama family's names (and splits the fused
+q/k/v and gate/up matrices) key by key.
 """
 
-import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
 
-# HF stores these as Conv1D weights, (in, out): the transpose of an nn.Linear weight
-_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+import hf
+
+class RMSNorm(nn.Module):
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # the statistics in float32 even under bf16, cast back before the weight, as the Llama reference does
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).type_as(x)
+
+def norm(config, dim=None):
+    dim = dim or config.n_embd
+    if config.model_type == "gpt2":
+        return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+    return RMSNorm(dim, config.norm_eps)
+
+def rope_frequencies(config, device):
+    """The rotary inverse frequencies (head_dim / 2,) float32, with Llama-3.1's scaling when the config has it:
+    wavelengths longer than the original context / low_freq_factor are stretched by factor, those shorter than
+    original context / high_freq_factor are kept, and the band between blends the two."""
+    hd = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    ctx, lo, hi = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0: long wavelengths, 1: short ones
+    return (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+
+def rotate(x, cos, sin):
+    """Rotary embedding, the rotate-half convention: the two halves of each head, not interleaved pairs."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        assert config.n_head % config.n_kv_head == 0
+        # q, k, v for all heads in one matmul; with grouped-query attention k and v have fewer heads than q
+        qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.bias or config.qkv_bias)
+        self.c_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.bias)
+        if config.qk_norm:  # Qwen3: each head's queries and keys are RMS-normalised, before rotary
+            self.q_norm, self.k_norm = RMSNorm(config.head_dim, config.norm_eps), RMSNorm(config.head_dim, config.norm_eps)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x, kv=None, col=0, key_mask=None):
+    def forward(self, x, rope=None, kv=None, col=0, key_mask=None):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        # kv: this layer's static cache, keys and values (rows, nh, S, hs)
+        nh, nkv, hs = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.c_attn(x).split([nh * hs, nkv * hs, nkv * hs], dim=2)
+        q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.view(B, T, nkv, hs)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs), (B, nkv, T, hs) x 2
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        # kv: this layer's static cache, keys and values (rows, nkv, S, hs)
         if kv is not None and key_mask is None:  # prefill of one prompt (B=1): broadcast into its sample rows
             kv[0][:, :, col:col + T] = k
             kv[1][:, :, col:col + T] = v
-        elif kv is not None:  # decoding: col is a tensor, so every step runs the same shapes; key_mask hides
-            kv[0].index_copy_(2, col, k)  # the columns not written yet
+        elif kv is not None:  # decoding one token: col is a tensor, so every step runs the same shapes
+            kv[0].index_copy_(2, col, k)
             kv[1].index_copy_(2, col, v)
-            k, v = kv  # (B, nh, S, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, is_causal=key_mask is None,
+            # key_mask hides the padding and the columns not written yet. The nh // nkv query heads that share a kv
+            # head are that head's queries (h uses kv head h // (nh // nkv)), so the cache is read, never repeated
+            y = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv * T, hs), *kv, attn_mask=key_mask)
+            return self.resid_dropout(self.c_proj(y.reshape(B, nh * hs)[:, None]))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh,
                                            dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
 class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.swiglu = config.model_type != "gpt2"
+        bias = config.bias and not self.swiglu  # the Llama family's MLP has no biases
+        self.c_fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * config.n_inner, bias=bias)  # SwiGLU: gate, up
+        self.c_proj = nn.Linear(config.n_inner, config.n_embd, bias=bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)
+            return self.dropout(self.c_proj(F.silu(gate) * up))
         # GPT-2's GELU is the tanh approximation (HF "gelu_new"); the exact erf GELU would miss its logits by ~1e-4
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
@@ -68,13 +119,13 @@ class Block(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv=None, col=0, key_mask=None):
-        x = x + self.attn(self.ln_1(x), kv, col, key_mask)
+    def forward(self, x, rope=None, kv=None, col=0, key_mask=None):
+        x = x + self.attn(self.ln_1(x), rope, kv, col, key_mask)
         return x + self.mlp(self.ln_2(x))
 
 @dataclass
@@ -85,22 +136,43 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True  # bias in Linears and LayerNorms, like GPT-2; False is a bit better and faster
+    bias: bool = True  # GPT-2: biases in Linears and LayerNorms (False is a bit better and faster); Llama family:
+    # biases in q, k, v and the attention output (config.json's attention_bias)
+    model_type: str = "gpt2"  # or 'llama', 'qwen2', 'qwen3', 'mistral': the fields below
+    n_kv_head: int = None  # grouped-query attention; None = n_head
+    head_dim: int = None  # None = n_embd // n_head
+    n_inner: int = None  # the MLP's hidden width; None = 4 * n_embd
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict = None  # Llama-3.1's: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    qkv_bias: bool = False  # Qwen2: biases in q, k, v only
+    qk_norm: bool = False  # Qwen3
+    tie_word_embeddings: bool = True
+    # the checkpoint's config.json, whose other keys save_pretrained writes back; not part of the architecture
+    hf_config: dict = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        self.n_kv_head = self.n_kv_head or self.n_head
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        self.n_inner = self.n_inner or 4 * self.n_embd
 
 class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
         self.config = config
+        gpt2 = config.model_type == "gpt2"  # learned positions; the Llama family rotates q and k instead
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            **(dict(wpe=nn.Embedding(config.block_size, config.n_embd)) if gpt2 else {}),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
+        if config.tie_word_embeddings:  # GPT-2, and the small Qwen and Llama-3.2 models
+            self.transformer.wte.weight = self.lm_head.weight
+        self.gradient_checkpointing = False  # train.py's: recompute each block in backward, keeping only its input
         self.apply(self._init_weights)
         # GPT-2 paper: scale the residual projections by 1/sqrt(number of residual additions)
         for name, p in self.named_parameters():
@@ -114,14 +186,18 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def get_num_params(self):
-        """Parameters without the position embeddings (the token embeddings count: they are the output layer)."""
-        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+        """Parameters without the position embeddings (tied token embeddings count: they are the output layer)."""
+        wpe = self.transformer.wpe.weight.numel() if "wpe" in self.transformer else 0
+        return sum(p.numel() for p in self.parameters()) - wpe
 
     def flops_per_token(self, T, backward=True):
         """Model FLOPs for one token at context length T (PaLM appendix B, as nanoGPT's estimate_mfu): 2 per weight
-        for the matmuls plus 4*T*C per layer for attention scores and mixing; x3 with the backward pass (2x forward)."""
+        of a matmul (an untied input embedding is a lookup, not a matmul; grouped-query attention's smaller k and v
+        and SwiGLU's third matrix are in the weights) plus 2*T per query-head channel per layer for the attention
+        scores and as much for the mixing; x3 with the backward pass (2x forward)."""
         cfg = self.config
-        forward = 2 * self.get_num_params() + 4 * cfg.n_layer * cfg.n_embd * T
+        weights = self.get_num_params() - (0 if cfg.tie_word_embeddings else self.transformer.wte.weight.numel())
+        forward = 2 * weights + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
         return 3 * forward if backward else forward
 
     def _hidden(self, idx, pos=None, kv=None, col=0, key_mask=None):
@@ -132,9 +208,20 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}; "
                                  f"truncate it or use a model with a larger block_size")
             pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rope = None
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(pos)
+        else:  # cos and sin of each position's angles (B or 1, 1, T, hs), shared by every layer
+            angle = pos[..., None].float() * rope_frequencies(self.config, idx.device)  # (.., T, hs/2) float32
+            angle = torch.cat((angle, angle), dim=-1).view(-1, 1, T, self.config.head_dim)
+            rope = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, None if kv is None else kv[i], col, key_mask)
+            if self.gradient_checkpointing and kv is None and torch.is_grad_enabled():
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope, None if kv is None else kv[i], col, key_mask)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, start=None, length=None, temperature=1.0):
@@ -179,8 +266,9 @@ class GPT(nn.Module):
                  eos_id=None, generator=None):
         """Sample num_samples completions for each prompt (a list of token-id lists of any lengths).
         Returns (tokens, mask, logprobs), each (N, L) with N = len(prompts) * num_samples rows in prompt-major order
-        and L <= max_new_tokens the steps taken. A row ends at its first eos_id, which it keeps; after it tokens are
-        eos_id (0 if None), mask is False and logprobs 0. logprobs is the log-prob of each token under the full
+        and L <= max_new_tokens the steps taken. eos_id: one id or several (Qwen's instruct models stop on <|im_end|>
+        and <|endoftext|>). A row ends at its first eos, which it keeps; after it tokens are the smallest eos id (0 if
+        None), mask is False and logprobs 0. logprobs is the log-prob of each token under the full
         softmax(logits / temperature), the same number logprobs() computes, so the on-policy ratio is exactly 1;
         top_k/top_p only restrict which tokens can be drawn (see sample). temperature=0 is greedy, with log-probs
         reported at temperature 1. generator: one torch.Generator for the whole batch, or a list of one per prompt,
@@ -213,9 +301,9 @@ class GPT(nn.Module):
         N, P = len(prompts) * G, max(len(p) for p in prompts)
         S = P + max_new_tokens - 1  # the last sampled token is never fed back
         lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(G)  # (N,)
-        # each layer's keys and values (N, nh, S, hs), two tensors that a compiled decode can update in place; zeros,
+        # each layer's keys and values (N, nkv, S, hs), two tensors that a compiled decode can update in place; zeros,
         # not empty: masked columns get attention weight 0, and 0 * NaN garbage would still be NaN
-        kv = [[torch.zeros(N, cfg.n_head, S, cfg.n_embd // cfg.n_head, dtype=dtype, device=dev) for _ in "kv"]
+        kv = [[torch.zeros(N, cfg.n_kv_head, S, cfg.head_dim, dtype=dtype, device=dev) for _ in "kv"]
               for _ in range(cfg.n_layer)]
         rows_of = lambda r: [(k[r], v[r]) for k, v in kv]  # the cache of some rows: a slice (view) or a gather
         key_mask = torch.arange(S, device=dev) >= (P - lens)[:, None]  # (N, S) False on each row's left padding
@@ -232,7 +320,9 @@ class GPT(nn.Module):
             u = torch.cat([torch.rand(max_new_tokens, G, 2, device=dev, generator=g) for g in generator], 1)
         else:
             u = torch.rand(max_new_tokens, N, 2, device=dev, generator=generator)  # (steps, N, 2)
-        fill = 0 if eos_id is None else eos_id
+        eos = None if eos_id is None else torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id)),
+                                                       device=dev)
+        fill = 0 if eos is None else int(eos[0])
         tokens = torch.full((max_new_tokens, N), fill, device=dev)  # step-major: each step writes one row
         logps = torch.zeros(max_new_tokens, N, device=dev)
         live = torch.arange(N, device=dev)  # output row of each batch row; the batch shrinks as rows finish
@@ -243,8 +333,8 @@ class GPT(nn.Module):
         for t in range(max_new_tokens):
             tokens[t].index_copy_(0, live, tok.masked_fill(done, fill))
             logps[t].index_copy_(0, live, lp.masked_fill(done, 0.0))
-            if eos_id is not None:
-                done = done | (tok == eos_id)
+            if eos is not None:
+                done = done | torch.isin(tok, eos)
             if t == max_new_tokens - 1:
                 break
             if t % check_every == check_every - 1:
@@ -258,10 +348,10 @@ class GPT(nn.Module):
                                   temperature, top_k, top_p)
 
         tokens, logps = tokens.t(), logps.t()  # (N, max_new_tokens)
-        if eos_id is None:
+        if eos is None:
             mask = torch.ones_like(tokens, dtype=torch.bool)
         else:  # real tokens: no eos strictly before them (rows end with eos, then are filled with it)
-            is_eos = (tokens == eos_id).int()
+            is_eos = torch.isin(tokens, eos).int()
             mask = (is_eos.cumsum(1) - is_eos) == 0
         L = int(mask.any(0).sum())  # rows only ever end, so the steps with a live row are a prefix
         return tokens[:, :L].contiguous(), mask[:, :L].contiguous(), logps[:, :L].contiguous()
@@ -278,87 +368,20 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None):
-        """Load a Hugging Face GPT-2 directory (config.json + model.safetensors, any size) in dtype (default
-        float32; the weights are copied into parameters of that dtype, so a float64 checkpoint loads exactly), then
-        move it to device if given."""
-        config_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-        for f in (config_file, weights_file):
-            if not os.path.isfile(f):
-                raise FileNotFoundError(f"{f} not found: from_pretrained needs a Hugging Face GPT-2 directory "
-                                        f"with config.json and model.safetensors")
-        with open(config_file) as f:
-            hf = json.load(f)
-        if hf.get("model_type") != "gpt2":
-            raise ValueError(f"{config_file}: model_type is {hf.get('model_type')!r}, only 'gpt2' checkpoints load")
-        hf.setdefault("n_positions", hf.get("n_ctx"))  # the oldest configs name the context length n_ctx only
-        keys = dict(block_size="n_positions", vocab_size="vocab_size", n_layer="n_layer", n_head="n_head",
-                    n_embd="n_embd")
-        missing = [k for k in keys.values() if hf.get(k) is None]
-        if missing:
-            raise ValueError(f"{config_file}: missing key {missing[0]!r}")
-        # settings that would change the maths this GPT does
-        if (hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh")
-                or hf.get("layer_norm_epsilon", 1e-5) != 1e-5 or hf.get("n_inner") not in (None, 4 * hf["n_embd"])
-                or hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("tie_word_embeddings", True)):
-            raise ValueError(f"{config_file}: unsupported GPT-2 variant (needs activation gelu_new, "
-                             f"layer_norm_epsilon 1e-5, n_inner 4*n_embd, tied embeddings, unscaled attention)")
-        model = cls(GPTConfig(**{ours: hf[theirs] for ours, theirs in keys.items()}, bias=True)).to(dtype=dtype)
-
-        ours = model.state_dict()  # shares storage with the parameters
-        try:
-            tensors, loaded = load_file(weights_file), set()
-        except SafetensorError as e:  # truncated or not a safetensors file at all
-            raise ValueError(f"{weights_file} cannot be read ({e}); the file is damaged or not safetensors: "
-                             f"restore it or save the model again") from None
-        for key, t in tensors.items():
-            name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key  # old files: no prefix
-            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
-                continue  # HF's causal-mask buffers; the tied output layer is checked below
-            if name not in ours:
-                raise ValueError(f"{weights_file}: unexpected tensor {key!r}, not part of a GPT-2 of its config.json")
-            t = t.t() if name.endswith(_TRANSPOSED) else t
-            if t.shape != ours[name].shape:
-                raise ValueError(f"{weights_file}: tensor {key!r} has shape {tuple(t.shape)}, expected "
-                                 f"{tuple(ours[name].shape)} from config.json")
-            ours[name].copy_(t)
-            loaded.add(name)
-        missing = sorted(set(ours) - loaded - {"lm_head.weight"})
-        if missing:
-            raise ValueError(f"{weights_file}: missing tensor {missing[0]!r}")
-        head = tensors.get("lm_head.weight")
-        if head is not None and not torch.equal(head.to(ours["lm_head.weight"].dtype), ours["lm_head.weight"]):
-            raise ValueError(f"{weights_file}: lm_head.weight differs from transformer.wte.weight; "
-                             f"only GPT-2 with tied embeddings is supported")
+        """Load a Hugging Face checkpoint directory (GPT-2 or the Llama family; hf.py reads the format) in dtype
+        (default: the checkpoint's own; the weights are copied into parameters of that dtype, so a float64 checkpoint
+        loads exactly and a bf16 one upcasts exactly), then move it to device if given."""
+        fields, own_dtype = hf.read_config(path)
+        model = cls(GPTConfig(**fields)).to(dtype=dtype or own_dtype)
+        hf.load_weights(path, model.config, model.state_dict())  # the state dict shares the parameters' storage
         return model.to(device=device)
 
-    def save_pretrained(self, path):
-        """Write config.json + model.safetensors in the Hugging Face GPT-2 layout, each file atomically. HF GPT-2
-        always has biases, so a bias=False model is saved with zero biases: the same function, loaded as bias=True."""
-        cfg = self.config
-        tensors = {name: (t.t() if name.endswith(_TRANSPOSED) else t).detach().contiguous().cpu()
-                   for name, t in self.state_dict().items() if name != "lm_head.weight"}  # tied: HF re-ties it
-        for name, m in self.named_modules():
-            if isinstance(m, (nn.Linear, nn.LayerNorm)) and m.bias is None and name != "lm_head":
-                tensors[name + ".bias"] = torch.zeros(m.weight.shape[0], dtype=m.weight.dtype)
-        hf = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_function="gelu_new",
-                  n_positions=cfg.block_size, n_ctx=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-                  n_head=cfg.n_head, n_inner=None, vocab_size=cfg.vocab_size, layer_norm_epsilon=1e-5,
-                  tie_word_embeddings=True, initializer_range=0.02, attn_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                  resid_pdrop=cfg.dropout, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
-                  reorder_and_upcast_attn=False, use_cache=True,
-                  torch_dtype=str(self.lm_head.weight.dtype).removeprefix("torch."))
+    def save_pretrained(self, path, max_shard_size=5 * 2**30):
+        """Write config.json and the weights in the Hugging Face layout of the model's family, each file atomically;
+        above max_shard_size bytes the weights go into shards named by model.safetensors.index.json, as the hub's."""
         os.makedirs(path, exist_ok=True)
-        _atomic_write(os.path.join(path, "model.safetensors"), save(tensors, metadata={"format": "pt"}))
-        _atomic_write(os.path.join(path, "config.json"), (json.dumps(hf, indent=2, sort_keys=True) + "\n").encode())
-
-def _atomic_write(file, data):
-    # a crash mid-save leaves the old file or the new one, never half of one
-    tmp = f"{file}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, file)
+        hf.save_weights(path, self.config, self.state_dict(), max_shard_size)
+        hf.write_config(path, self.config, self.lm_head.weight.dtype)
 
 # -----------------------------------------------------------------------------
 # sampling

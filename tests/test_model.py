@@ -311,7 +311,7 @@ def broken_copy(tmp_path, edit_config=None, edit_tensors=None):
     return path
 
 @pytest.mark.parametrize("edit_config, edit_tensors, error", [
-    (lambda c: c.update(model_type="llama"), None, r"config.json: model_type is 'llama'"),
+    (lambda c: c.update(model_type="bert"), None, r"config.json: model_type 'bert' is not supported"),
     (lambda c: c.pop("n_layer"), None, r"config.json: missing key 'n_layer'"),
     (lambda c: c.update(activation_function="relu"), None, r"config.json: unsupported GPT-2 variant"),
     (None, lambda t: t.pop("transformer.h.1.mlp.c_fc.bias"),
