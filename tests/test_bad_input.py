@@ -44,7 +44,7 @@ def write_files(d):
     (d / 'long_test.jsonl').write_text((d / 'long_train.jsonl').read_text())
     (d / 'config_typo.py').write_text("lerning_rate = 1e-3\n")
     (d / 'config_syntax.py').write_text("beta = 0.1\nloss_type = 'grpo\n")
-    for name, edit in [('llama', lambda c: c.update(model_type='llama')), ('nokey', lambda c: c.pop('n_layer'))]:
+    for name, edit in [('bert', lambda c: c.update(model_type='bert')), ('nokey', lambda c: c.pop('n_layer'))]:
         (d / name).mkdir()
         cfg = json.load(open(os.path.join(FIXTURE, 'config.json')))
         edit(cfg)
@@ -83,7 +83,7 @@ CASES = [
     ('prompt longer than block_size', ['--task={d}/long_{split}.jsonl', '--task_options={}'], "longest prompt is 43 tokens"),
     ('unknown task', ['--task=multiplication'], "unknown dataset 'multiplication'"),
     ('unknown task option', ["--task_options={'digit': 2}"], "task 'addition' has no option 'digit'"),
-    ('non-GPT-2 checkpoint', ['--init_from={d}/llama'], "model_type is 'llama', only 'gpt2'"),
+    ('unsupported model_type', ['--init_from={d}/bert'], "model_type 'bert' is not supported"),
     ('config.json missing a key', ['--init_from={d}/nokey'], "missing key 'n_layer'"),
     ('truncated safetensors', ['--init_from={d}/truncated'], "truncated/model.safetensors"),
     ('corrupted safetensors', ['--init_from={d}/garbage'], "garbage/model.safetensors"),
