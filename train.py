@@ -42,7 +42,7 @@ out_dir = 'out'
 eval_interval = 100  # iterations between held-out evaluations (also at the start and the end); 0 = none
 eval_size = 500  # held-out prompts for greedy accuracy and pass@k
 save_interval = 100  # iterations between checkpoints (also at the end)
-init_from = 'scratch'  # 'scratch', 'resume' (from out_dir) or a Hugging Face GPT-2 directory
+init_from = 'scratch'  # 'scratch', 'resume' (from out_dir) or a Hugging Face directory (GPT-2, Llama, Qwen2, Qwen3)
 wandb_log = False  # disabled by default
 wandb_project = 'nanogrpo'
 wandb_run_name = 'grpo'
@@ -107,6 +107,7 @@ max_bad_steps = 3  # stop after this many non-finite steps in a row
 device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = 'float32'  # 'float32', 'float64' (exactness tests), 'bfloat16'/'float16' (autocast)
 compile = False
+gradient_checkpointing = False  # recompute each block in backward: activations of one block, not all
 seed = 1337
 peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at start
 
@@ -175,6 +176,7 @@ if model.config.vocab_size < enc.n_vocab:
 if model.config.block_size < block_size:
     raise ValueError(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower block_size")
 model.to(device=device, dtype=param_dtype)
+model.gradient_checkpointing = gradient_checkpointing
 raw_model = model
 if compile:
     model = torch.compile(model)  # the training forward, i.e. the log-prob path

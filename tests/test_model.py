@@ -99,10 +99,11 @@ def test_eos_ends_rows_and_compacts_batch(tiny):
         assert (tokens[row, n:] == eos).all() and (logps[row, n:] == 0).all()
     assert tokens.size(1) == int(mask.sum(1).max())  # no trailing all-padding steps
 
-def test_decode_step_compiles_to_one_graph():
+@pytest.mark.parametrize("fixture", ["tiny-gpt2-a", "tiny-llama-a"])  # learned positions; rotary and GQA
+def test_decode_step_compiles_to_one_graph(fixture):
     """generate's decode step has the same shapes at every step and no graph breaks (fullgraph), so torch.compile
     traces it once for a whole generate call, not once per token. Dynamo's eager backend: tracing without codegen."""
-    model = GPT.from_pretrained(FIXTURE).eval()
+    model = GPT.from_pretrained(os.path.join(os.path.dirname(FIXTURE), fixture), dtype=torch.float32).eval()
     eager = model.generate(PROMPTS, 10, num_samples=2, generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
