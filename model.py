@@ -32,11 +32,10 @@ class RMSNorm(nn.Module):
         # the statistics in float32 even under bf16, cast back before the weight, as the Llama reference does
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).type_as(x)
 
-def norm(config, dim=None):
-    dim = dim or config.n_embd
+def norm(config):
     if config.model_type == "gpt2":
-        return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
-    return RMSNorm(dim, config.norm_eps)
+        return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+    return RMSNorm(config.n_embd, config.norm_eps)
 
 def rope_frequencies(config, device):
     """The rotary inverse frequencies (head_dim / 2,) float32, with Llama-3.1's scaling when the config has it:
@@ -68,7 +67,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.bias or config.qkv_bias)
         self.c_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.bias)
         if config.qk_norm:  # Qwen3: each head's queries and keys are RMS-normalised, before rotary
-            self.q_norm, self.k_norm = RMSNorm(config.head_dim, config.norm_eps), RMSNorm(config.head_dim, config.norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
 
@@ -144,7 +144,7 @@ class GPTConfig:
     n_inner: int = None  # the MLP's hidden width; None = 4 * n_embd
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict = None  # Llama-3.1's: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    rope_scaling: dict = None  # Llama-3.1's: factor, low/high_freq_factor, original_max_position_embeddings
     qkv_bias: bool = False  # Qwen2: biases in q, k, v only
     qk_norm: bool = False  # Qwen3
     tie_word_embeddings: bool = True

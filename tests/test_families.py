@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from torch.nn import functional as F
 from safetensors.torch import load_file, save_file
 
 import model as model_module
@@ -28,7 +29,8 @@ LOGP_TOL = dict(atol=1e-5, rtol=1e-5)
 @pytest.fixture(scope="module", params=FAMILIES)
 def fixture(request):
     path = os.path.join(FIXTURES, request.param)
-    return path, GPT.from_pretrained(path, dtype=torch.float32).eval(), load_file(os.path.join(path, "reference.safetensors"))
+    ref = load_file(os.path.join(path, "reference.safetensors"))
+    return path, GPT.from_pretrained(path, dtype=torch.float32).eval(), ref
 
 def logits_error(model, ref):
     with torch.no_grad():
@@ -119,7 +121,8 @@ def test_cache_holds_only_the_kv_heads(monkeypatch):
     """Grouped-query attention's memory saving: the cache is (rows, kv heads, S, head_dim), not query heads."""
     model = GPT.from_pretrained(os.path.join(FIXTURES, "tiny-qwen3-a"), dtype=torch.float32).eval()
     shapes, decode = [], model.decode
-    monkeypatch.setattr(model, "decode", lambda tok, pos, kv, *a: shapes.append(kv[0][0].shape) or decode(tok, pos, kv, *a))
+    monkeypatch.setattr(model, "decode", lambda tok, pos, kv, *a: shapes.append(kv[0][0].shape) or
+                        decode(tok, pos, kv, *a))
     model.generate([[1, 2, 3]], 4, num_samples=2)
     assert shapes[0] == (2, 3, 3 + 4 - 1, 24)  # 6 query heads, 3 kv heads, head_dim 24
 
@@ -252,8 +255,8 @@ def edit_shard(file, fn):
 LLAMA, QWEN2, SHARD2 = "tiny-llama-a", "tiny-qwen2-a", "model-00002-of-00003.safetensors"
 LAYER0 = "model.layers.0."
 BAD = {
-    "rope type": (QWEN2, lambda p: edit_json(p / "config.json", lambda c: c["rope_parameters"].update(rope_type="yarn")),
-                  r"config.json: rope type 'yarn' is not supported"),
+    "rope type": (QWEN2, lambda p: edit_json(p / "config.json", lambda c: c["rope_parameters"].update(
+        rope_type="yarn")), r"config.json: rope type 'yarn' is not supported"),
     "old rope type": (LLAMA, lambda p: edit_json(p / "config.json", lambda c: c.update(rope_scaling=dict(type="dynamic",
                       factor=2.0))), r"config.json: rope type 'dynamic' is not supported"),
     "sliding window": (QWEN2, lambda p: edit_json(p / "config.json", lambda c: c.update(use_sliding_window=True,
@@ -263,19 +266,22 @@ BAD = {
     "missing key": (QWEN2, lambda p: edit_json(p / "config.json", lambda c: c.pop("intermediate_size")),
                     r"config.json: missing key 'intermediate_size'"),
     "missing shard": (LLAMA, lambda p: os.remove(p / SHARD2),
-                      r"model.safetensors.index.json names the shard model-00002-of-00003.safetensors, but .* is missing"),
-    "missing tensor": (QWEN2, lambda p: edit_shard(p / "model.safetensors", lambda t: t.pop(LAYER0 + "self_attn.q_proj.bias")),
-                       r"model.safetensors: missing tensor 'model.layers.0.self_attn.q_proj.bias'"),
+                      rf"model.safetensors.index.json names the shard {SHARD2}, but .* is missing"),
+    "missing tensor": (QWEN2, lambda p: edit_shard(p / "model.safetensors", lambda t: t.pop(
+        LAYER0 + "self_attn.q_proj.bias")),
+        r"model.safetensors: missing tensor 'model.layers.0.self_attn.q_proj.bias'"),
     "extra tensor": (LLAMA, lambda p: edit_shard(p / SHARD2, lambda t: t.update(x=torch.zeros(2))),
                      rf"{SHARD2}: holds tensor 'x', but .*index.json maps it to None"),
     "misshaped": (QWEN2, lambda p: edit_shard(p / "model.safetensors", lambda t: t.update(
         {LAYER0 + "self_attn.k_proj.weight": torch.zeros(80, 80)})),
-        r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(80, 80\), expected \(16, 80\)"),
+        r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(80, 80\), "
+        r"expected \(16, 80\)"),
     "unexpected tensor": (QWEN2, lambda p: edit_shard(p / "model.safetensors", lambda t: t.update(
         {LAYER0 + "self_attn.o_proj.bias": torch.zeros(80)})),
         r"model.safetensors: unexpected tensor 'model.layers.0.self_attn.o_proj.bias'"),
-    "index points elsewhere": (LLAMA, lambda p: edit_json(p / "model.safetensors.index.json", lambda i: i["weight_map"].update(
-        {"model.norm.weight": SHARD2})), r"'model.norm.weight'.*the index and the shards disagree"),
+    "index points elsewhere": (LLAMA, lambda p: edit_json(p / "model.safetensors.index.json", lambda i: i[
+        "weight_map"].update({"model.norm.weight": SHARD2})),
+        r"'model.norm.weight'.*the index and the shards disagree"),
     "index names a tensor its shard lacks": (LLAMA, lambda p: edit_json(p / "model.safetensors.index.json",
         lambda i: i["weight_map"].update({"model.extra.weight": SHARD2})),
         rf"index.json maps tensor 'model.extra.weight' to {SHARD2}, which does not hold it"),
@@ -314,8 +320,8 @@ PLANTED = {
     "q/k norm weights ignored": ("tiny-qwen3-a", lambda m, mp: [b.attn.q_norm.weight.data.fill_(1)
                                                                 for b in m.transformer.h]),
     "interleaved rotary": ("tiny-llama-a", lambda m, mp: mp.setattr(model_module, "rotate", interleaved)),
-    "GQA tiled": ("tiny-qwen3-a", lambda m, mp: mp.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                                                           tiled_gqa(torch.nn.functional.scaled_dot_product_attention))),
+    "GQA tiled": ("tiny-qwen3-a", lambda m, mp: mp.setattr(F, "scaled_dot_product_attention",
+                                                           tiled_gqa(F.scaled_dot_product_attention))),
     "rope_theta not read": ("tiny-llama-a", lambda m, mp: mp.setattr(m.config, "rope_theta", 10000.0)),
 }
 
