@@ -1,10 +1,14 @@
 """
 The one place nanoGRPO's speed numbers come from. Each section is a function that fills its part of one results
 dict; main() prints the dict as a table and writes it as JSON. Random weights: speed does not depend on them.
+Without --preset the model is a 6-layer, 384-wide GPT-2; a preset is a real model's shape, and an explicit
+--n_layer/--n_head/--n_embd/--vocab_size overrides it (fewer layers: a CPU run in minutes).
 
 $ python bench.py                                  # GRPO-shaped: 8 prompts x G=8, prompt 64, completion 128
 $ python bench.py --prompts 4 --G 16 --prompt_len 32 --new_tokens 64   # the smaller shape of the first benchmark
 $ python bench.py --preset gpt2 --device cuda --compile --json bench.json
+$ OMP_NUM_THREADS=2 python bench.py --preset qwen2.5-0.5b --n_layer 4 --json bench_qwen25.json
+$ python bench.py --preset qwen3-0.6b --n_layer 4       # or --preset llama-3.2-1b
 $ python bench.py --soak                           # 200 iterations of train.py: does its memory stay flat?
 
 Sections: the machine's matmul peak (every MFU is against it), sampling (KV cache vs naive full recompute, and a
@@ -13,6 +17,7 @@ batch where half the rows end early), the log-prob pass (chunked vs a plain full
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -30,15 +35,26 @@ import torch
 from loss import grpo_loss
 from model import GPT, GPTConfig, sample
 
-PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768)}  # 124M
+DEFAULT = dict(n_layer=6, n_head=6, n_embd=384, vocab_size=50304)  # a 30M GPT-2: the shape without --preset
+# the GPTConfig fields of real models (their config.json); the Llama family has no biases but Qwen2's q/k/v ones
+QWEN = dict(vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, bias=False)
+PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "qwen2.5-0.5b": dict(QWEN, model_type="qwen2", n_layer=24, n_head=14, n_kv_head=2, n_embd=896, n_inner=4864,
+                         qkv_bias=True),
+    "qwen3-0.6b": dict(QWEN, model_type="qwen3", n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_dim=128,
+                       n_inner=3072, qk_norm=True),
+    "llama-3.2-1b": dict(model_type="llama", n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, n_inner=8192,
+                         vocab_size=128256, bias=False, rope_theta=500000.0, rope_scaling=dict(
+                             factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192)),
+}
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape; overrides --n_layer/--n_head/--n_embd")
-    p.add_argument("--n_layer", type=int, default=6)
-    p.add_argument("--n_head", type=int, default=6)
-    p.add_argument("--n_embd", type=int, default=384)
-    p.add_argument("--vocab_size", type=int, default=50304)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a real model's shape (random weights)")
+    for name, value in DEFAULT.items():  # None: not given, so the preset's (or the default shape's)
+        p.add_argument(f"--{name}", type=int, help=f"overrides the preset's; default without one: {value}")
     p.add_argument("--block_size", type=int, default=1024)
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
     p.add_argument("--G", type=int, default=8, help="completions per prompt")
@@ -54,8 +70,8 @@ def get_args(argv=None):
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--soak", action="store_true", help="only the memory soak: 200 iterations of a tiny train.py run")
     args = p.parse_args(argv)
-    if args.preset:
-        vars(args).update(PRESETS[args.preset])
+    given = {k: v for k, v in vars(args).items() if k in DEFAULT and v is not None}
+    vars(args).update({**DEFAULT, **PRESETS.get(args.preset, {}), **given})
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     return args
 
@@ -90,8 +106,7 @@ def autocast(args):
 
 def build_model(args):
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd)
+    cfg = GPTConfig(**{f.name: vars(args)[f.name] for f in dataclasses.fields(GPTConfig) if f.name in vars(args)})
     model = GPT(cfg).to(args.device).eval()
     if args.compile:  # as train.py's compile: the forward (training's log-prob path) and generate's decode step
         model.compile()
@@ -156,8 +171,8 @@ def timed_peak(fn, args):
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
 
 def run_train(args, out_dir, env=None, **overrides):
-    """Run train.py from scratch (no warm start) on args' device, dtype and compile, with --key=value overrides and
-    the environment env (default: this one); return its training iterations' metrics from out_dir/metrics.jsonl."""
+    """Run train.py with no warm start on args' device, dtype and compile, with --key=value overrides and the
+    environment env (default: this one); return its training iterations' metrics from out_dir/metrics.jsonl."""
     config = dict(device=args.device, dtype=args.dtype, compile=args.compile, sft_iters=0, out_dir=out_dir,
                   **overrides)
     cmd = [sys.executable, "train.py"] + [f"--{k}={v!r}" for k, v in config.items()]
@@ -225,7 +240,8 @@ def matmul_share(args):
 def decode_overhead(args, T):
     """Seconds of host overhead (Python, dispatch, kernel launches) per decode step: the step time of a model with
     the same layers, rows and lengths but tiny widths, whose arithmetic is next to nothing."""
-    tiny = argparse.Namespace(**{**vars(args), "n_embd": 4 * args.n_head, "vocab_size": 64})
+    tiny = argparse.Namespace(**{**vars(args), "n_embd": 4 * args.n_head, "head_dim": 4, "n_inner": 16 * args.n_head,
+                                 "vocab_size": 64})  # the same family, heads and kv heads; 4 wide each
     model, prompts = build_model(tiny), make_prompts(tiny)
     steps = timed(lambda: generate(model, tiny, prompts, T), args.device, args.repeat)
     return (steps - timed(lambda: generate(model, tiny, prompts, 1), args.device, args.repeat)) / (T - 1)
@@ -253,17 +269,25 @@ def bench_sampling(args, model, results):
     r["speedup_vs_naive"] = naive / total
 
     # early EOS: half the prompts are half as long, and the model is edited so that EOS is near certain at a few
-    # positions only those rows reach while decoding; the other half decode all T tokens
+    # positions only those rows reach while decoding; the other half decode all T tokens. The edit is to the final
+    # hidden states, not to a position embedding: rotary families have none
     short, eos, hit = args.prompt_len // 2, args.vocab_size - 1, args.prompt_len // 2 + T // 8
     if hit + 4 > args.prompt_len:  # the long rows would reach those positions too
         r["early_eos"] = "skipped: needs new_tokens <= 4 * prompt_len - 32"
         return
     mixed = make_prompts(args, [short, args.prompt_len] * (args.prompts // 2) + [args.prompt_len] * (args.prompts % 2))
     edited = build_model(args)
+    hidden = edited._hidden
+
+    def edited_hidden(idx, pos=None, **cache):  # direction 0 of the final hidden state: 100 there, a huge EOS logit
+        h = hidden(idx, pos, **cache)
+        pos = torch.arange(idx.size(1), device=idx.device) if pos is None else pos  # as _hidden's default
+        h[..., 0] += 100.0 * ((pos >= hit) & (pos < hit + 4))
+        return h
+
+    edited._hidden = edited_hidden
     with torch.no_grad():
-        # the residual stream keeps the position embedding's direction 0; ln_f turns it into a huge EOS logit there
-        edited.transformer.wpe.weight[hit:hit + 4, 0] = 100.0
-        edited.transformer.wte.weight[eos, 0] = 2.0
+        edited.lm_head.weight[eos, 0] = 2.0
     _, mask, _ = generate(edited, args, mixed, T, eos_id=eos)
     ended = mask.sum(1) < T
     r["early_eos_rows_done_early"] = float(ended.float().mean())
@@ -348,8 +372,12 @@ def bench_iteration(args, model, results):
     --prompt_len; a random model rarely samples the eos, so completions run to --new_tokens. Of 4 iterations the
     first is warm-up and the other 3 are averaged."""
     with tempfile.TemporaryDirectory() as out_dir:
-        its = run_train(args, out_dir, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                        vocab_size=args.vocab_size, block_size=args.block_size, prompts_per_step=args.prompts,
+        if model.config.model_type == "gpt2":
+            shape = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab_size)
+        else:  # train.py builds only GPT-2 from scratch; it starts any other family from this model's checkpoint
+            shape = dict(init_from=os.path.join(out_dir, "random_init"))
+            model.save_pretrained(shape["init_from"])
+        its = run_train(args, out_dir, **shape, block_size=args.block_size, prompts_per_step=args.prompts,
                         num_generations=args.G, max_completion_length=args.new_tokens,
                         micro_batch_size=math.gcd(args.micro_batch_size, args.prompts * args.G),
                         eval_interval=0, save_interval=5, max_iters=4, peak_flops=results["peak"]["tflops"] * 1e12)
@@ -392,7 +420,7 @@ def main():
     results = {"machine": dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                                threads=torch.get_num_threads(), torch=torch.__version__, dtype=args.dtype),
                "config": {k: v for k, v in vars(args).items() if k != "json"}}
-    results["config"]["params_m"] = model.get_num_params() / 1e6
+    results["config"].update(model_type=model.config.model_type, params_m=model.get_num_params() / 1e6)
     for section in SECTIONS:
         section(args, model, results)
     print(f"{'section':<10} {'metric':<28} value")

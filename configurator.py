@@ -119,6 +119,6 @@ def check_config(c, world_size):
          f"init_from='{c['init_from']}' is neither 'scratch', 'resume' nor a Hugging Face checkpoint directory")
     need(c['init_from'] != 'resume' or os.path.exists(os.path.join(c['out_dir'], 'latest')),
          f"init_from='resume' but {c['out_dir']} holds no checkpoint; start with init_from='scratch'")
-    need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] > 0,
+    need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] != 0,  # None: 400 from scratch
          "beta > 0 needs a reference policy worth staying close to, but init_from='scratch' with sft_iters=0 "
          "starts from random weights; set sft_iters > 0, init_from a checkpoint directory, or beta=0")

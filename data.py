@@ -1,10 +1,12 @@
 """
 Datasets for RL on verifiable tasks: built-in tasks generated from a seed (no files, no download), a loader for
-user datasets in JSON Lines, the tokenizer, and which rewards a dataset is scored with by default.
+user datasets in JSON Lines, and which rewards a dataset is scored with by default.
 
-A dataset is a list of rows: dicts with a "prompt" and an "answer" string, plus any other columns, which travel
-along to the reward functions (see reward.py). The prompt is fed to the model as is, so it already is the
-task's template: a built-in task writes it short ('47+385='), a JSON Lines user writes it however they like.
+A dataset is a list of rows: dicts with a "prompt" (a string, or a list of {"role", "content"} messages for a chat
+template) and an "answer" string, plus any other columns, which travel
+along to the reward functions (see reward.py). The prompt is fed to the model as is (or as the user message of a
+chat template), so it already is the task's template: a built-in task for a tiny model writes it short ('47+385='),
+Countdown and GSM8K ask in words for the answer in a \\boxed{}, a JSON Lines user writes it however they like.
 
 Every dataset has a "train" split and a disjoint held-out "test" split. A problem's split is decided by a hash
 of its prompt, so the same problem can never land in both, whatever the seed or the size asked for.
@@ -16,33 +18,26 @@ import json
 import os
 import random
 
-import tiktoken
-
 from reward import RESERVED_COLUMNS, to_number
 
 TEST_PERCENT = 10  # share of all problems, by prompt hash, held out for evaluation
 DEFAULT_SIZE = {"train": 10000, "test": 500}
 ROW_EXAMPLE = '{"prompt": "2+2=", "answer": "4"}'
-
-def get_tokenizer(name):
-    """A tiktoken Encoding; enc.eot_token is the eos that ends every completion."""
-    if name == "bytes":
-        # one token per byte and no merges: a 257-token vocab for tiny models, built here so nothing is downloaded
-        ranks = {bytes([i]): i for i in range(256)}
-        return tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
-                                 special_tokens={"<|endoftext|>": 256})
-    if name == "gpt2":
-        return tiktoken.get_encoding("gpt2")  # downloaded by tiktoken on first use, then cached
-    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes' (built-in tasks, no download) or 'gpt2'")
+# what GSM8K's question is followed by: the wording Qwen2.5-Math and DeepSeek-R1 were trained and evaluated with,
+# so instruct models already answer in the form the boxed reward and the answer extractor read
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 def split_of(prompt):
     """'test' for the TEST_PERCENT of prompts whose hash falls there, else 'train'."""
-    h = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big")
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)  # a list of chat messages
+    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
     return "test" if h % 100 < TEST_PERCENT else "train"
 
 # -----------------------------------------------------------------------------
 # built-in tasks. Each takes its options and returns (count, problem): problem(i) is the i-th of `count`
-# distinct problems, so drawing distinct rows is drawing distinct indices. To add a task, add it to TASKS.
+# problems. Rows are distinct by prompt, so several indices may give one problem (countdown's do), but `count`
+# should be about how many distinct ones there are: _task_rows' size check trusts it. Options are positive
+# integers, or tuples of them where the default is a tuple. To add a task, add it to TASKS.
 
 def addition(digits=3):
     """'47+385=' -> '432': the sum of two numbers below 10**digits, and nothing else, so a tiny model can learn it."""
@@ -60,7 +55,44 @@ def sort(length=4, digits=1):
         return {"prompt": f"sort {' '.join(map(str, xs))}:", "answer": " ".join(map(str, sorted(xs)))}
     return n ** length, problem
 
-TASKS = {"addition": addition, "sort": sort}
+def _countdown_solution(rng, numbers, max_target):
+    """(expression, value): a random expression using each of `numbers` once, every value along the way a whole
+    number in [1, max_target]. Given x >= y in that range, x - y (x > y) or x / y (x = y) is too, so it never fails."""
+    if len(numbers) == 1:
+        return str(numbers[0]), numbers[0]
+    k = rng.randint(1, len(numbers) - 1)  # the numbers are shuffled, so this splits them into two random groups
+    left, right = _countdown_solution(rng, numbers[:k], max_target), _countdown_solution(rng, numbers[k:], max_target)
+    (a, x), (b, y) = sorted([left, right], key=lambda e: -e[1])
+    a, b = (e if e.isdigit() else f"({e})" for e in (a, b))
+    options = [(f"{a} + {b}", x + y), (f"{a} - {b}", x - y), (f"{a} * {b}", x * y)]
+    if x % y == 0:
+        options.append((f"{a} / {b}", x // y))
+    return rng.choice([(e, v) for e, v in options if 1 <= v <= max_target])
+
+def countdown(count=(3, 4), max_number=99, max_target=100):
+    """TinyZero's Countdown: reach a target with + - * / and parentheses, using each given number exactly once.
+    A problem has `count` numbers (count=(3, 4): half of the problems 3, half 4) drawn from 1..max_number and a
+    target in 1..max_target, built from a random expression over the numbers, so every problem has a solution: the
+    answer, one solution such as '(44 + 19) - 35'. Columns `numbers` and `target` reach reward.countdown_reward.
+    'Using the numbers [44, 19, 35], create an equation that equals 28. You can use + - * / and parentheses, and
+    each number exactly once. Please reason step by step, and put your final answer within \\boxed{}.'"""
+    if max_target < max_number:  # a lone number is an expression too, so each must fit under the target
+        raise ValueError(f"task 'countdown' needs max_target >= max_number, got max_target={max_target} and "
+                         f"max_number={max_number}")
+    def problem(i):
+        # i picks the count, then the rest of i's digits in base max_number pick the numbers: each index of the
+        # largest count is a problem of its own; a smaller count leaves digits unused, so its numbers recur, mostly
+        # with other targets (rows are distinct by prompt)
+        n, digits = count[i % len(count)], i // len(count)
+        numbers = [digits // max_number ** k % max_number + 1 for k in range(n)]
+        rng = random.Random(i)
+        answer, target = _countdown_solution(rng, rng.sample(numbers, n), max_target)
+        prompt = (f"Using the numbers {numbers}, create an equation that equals {target}. You can use + - * / and "
+                  f"parentheses, and each number exactly once. {BOXED_INSTRUCTION}")
+        return {"prompt": prompt, "answer": answer, "numbers": numbers, "target": target}
+    return len(count) * max_number ** max(count), problem
+
+TASKS = {"addition": addition, "sort": sort, "countdown": countdown}
 
 def _task_rows(name, split, seed, size, options):
     """Up to `size` distinct problems of task `name` from `split`, drawn with `seed`."""
@@ -68,8 +100,12 @@ def _task_rows(name, split, seed, size, options):
     for key, value in options.items():
         if key not in known:
             raise ValueError(f"task {name!r} has no option {key!r}; its options are: {', '.join(known)}")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:  # every task option is a count
-            raise ValueError(f"task option {key} must be a positive integer, got {value!r}")
+        many = isinstance(known[key].default, tuple)
+        values = tuple(value) if many and isinstance(value, (tuple, list)) else (value,)  # count=3 is count=(3,)
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+            kind = "a positive integer or a tuple of them" if many else "a positive integer"
+            raise ValueError(f"task option {key} must be {kind}, got {value!r}")
+        options[key] = values if many else value
     count, problem = TASKS[name](**options)
     rng = random.Random(seed)
     share = TEST_PERCENT if split == "test" else 100 - TEST_PERCENT  # percent of the problems in this split
@@ -84,11 +120,10 @@ def _task_rows(name, split, seed, size, options):
     for i in order:
         if len(rows) == size:
             break
-        if i not in seen:
-            seen.add(i)
-            row = problem(i)
-            if split_of(row["prompt"]) == split:
-                rows.append(row)
+        row = problem(i)
+        if row["prompt"] not in seen and split_of(row["prompt"]) == split:
+            seen.add(row["prompt"])
+            rows.append(row)
     return rows
 
 # -----------------------------------------------------------------------------
@@ -104,15 +139,18 @@ def _parse_row(line, where):
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object like {ROW_EXAMPLE}, got a {type(row).__name__}")
     if "prompt" not in row and "question" in row:  # GSM8K layout: the answer is a worked solution ending '#### 42'
-        row["prompt"] = row.pop("question")
+        row["prompt"] = f"{row.pop('question')}\n{BOXED_INSTRUCTION}"
         if isinstance(row.get("answer"), str) and "####" in row["answer"]:
             row["solution"] = row["answer"]
             row["answer"] = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
     for key in ("prompt", "answer"):
         if key not in row:
             raise ValueError(f'{where}: no "{key}"; every row needs a "prompt" (or GSM8K "question") and an "answer"')
-    if not isinstance(row["prompt"], str):
-        raise ValueError(f'{where}: "prompt" must be a string, got {json.dumps(row["prompt"])}')
+    messages = isinstance(row["prompt"], list) and all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                       for m in row["prompt"])
+    if not (isinstance(row["prompt"], str) or row["prompt"] and messages):
+        raise ValueError(f'{where}: "prompt" must be a string or a list of {{"role", "content"}} messages (for a '
+                         f'chat_template), got {json.dumps(row["prompt"])[:200]}')
     if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)):
         raise ValueError(f'{where}: "answer" must be a string or a number, got {json.dumps(row["answer"])}')
     row["answer"] = str(row["answer"])
@@ -168,8 +206,15 @@ def load_dataset(name, split="train", seed=0, size=None, **task_options):
 
 def default_reward(name, rows):
     """(names for reward.get_reward_fns, weights): how dataset `name` with these `rows` is scored unless the
-    config says otherwise."""
+    config says otherwise. The accuracy comes first (train.py logs the first function as the accuracy), then a
+    format reward at 0.1 where there is one: a right answer in any form (1.0) outranks a well-formed wrong one
+    (0.1), yet in a group of wrong answers the well-formed ones still get the advantage, toward what the verifier
+    reads best."""
+    if rows and {"numbers", "target"} <= rows[0].keys():  # Countdown, built-in or from a file
+        return ["countdown_reward", "boxed"], [1.0, 0.1]
     if name in TASKS or any(to_number(row["answer"]) is None for row in rows):
         return ["exact_match"], [1.0]
-    # numeric answers (GSM8K): check the value, not its spelling, and nudge the model to end on its answer
-    return ["numeric_match", "format"], [1.0, 0.1]
+    # numeric answers (GSM8K): check the value, not its spelling, and reward the form the prompt asks for: a
+    # \boxed{} where it asks for one (the GSM8K layout's prompt does), else ending on the number
+    boxed = all("\\boxed" in row["prompt"] for row in rows)
+    return ["numeric_match", "boxed" if boxed else "format"], [1.0, 0.1]

@@ -16,16 +16,122 @@ import importlib
 import math
 import numbers
 import re
+from fractions import Fraction
 
 # names the rollout passes to reward functions itself, so a dataset column may not use them
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_completion_length", "truncated")
 
-NUMBER = re.compile(r"-?[\d,]*\.?\d+")  # 42, -3.5, 1,234.5; a trailing '.' ends a sentence, it is not a decimal
+# 42, -3.5, 1,234.5; a trailing '.' ends a sentence, it is not a decimal, and a '-' after a digit or ')' is a
+# subtraction, not a sign: '10-7' ends on 7
+NUMBER = re.compile(r"(?:(?<![\d)])-)?[\d,]*\.?\d+")
 
 def to_number(text):
     """The value of `text` if it is one number such as '-1,234.5' (commas ignored), else None."""
     text = text.strip()
     return float(text.replace(",", "")) if NUMBER.fullmatch(text) else None
+
+# -----------------------------------------------------------------------------
+# reading the final answer out of a completion
+
+def last_boxed(text):
+    r"""What the last '\boxed{' in `text` holds up to its matching brace ('\boxed{\frac{3}{4}}' -> '\frac{3}{4}'),
+    or None if there is none or it is never closed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    start, depth = start + len("\\boxed{"), 1
+    for i in range(start, len(text)):
+        depth += (text[i] == "{") - (text[i] == "}")
+        if depth == 0:
+            return text[start:i]
+    return None
+
+# a line that is only '#### 42', as GSM8K's own solutions end; not a markdown heading such as '#### Step 2: ...'
+ANSWER_LINE = re.compile(r"^####[ \t]*\$?(" + NUMBER.pattern + r")[ \t]*\.?[ \t]*$", re.MULTILINE)
+
+def extract_answer(text):
+    r"""The final answer of a math completion as a float, or None if it gives none: the number on the last '#### 42'
+    line, else the number in the last \boxed{} (the form the GSM8K prompt asks for), else the last number in the text.
+    Commas, '$' and a sentence's final '.' are not part of a number: '$1,234.50.' is 1234.5. A box is the model's
+    declared answer, so it must hold exactly one number ('\boxed{\$1{,}000}', '\boxed{18 \text{ dollars}}'); one
+    holding '3/4', '\frac{3}{4}' or '2+3=5' is an answer that is not a number, hence None, not a guess at one of its
+    numbers. Fractions are not evaluated anywhere: GSM8K's answers are whole numbers."""
+    lines = ANSWER_LINE.findall(text)
+    if lines:
+        return to_number(lines[-1])
+    boxed = last_boxed(text)
+    if boxed is not None:
+        found = NUMBER.findall(boxed.replace("{,}", ","))  # '{,}' is LaTeX's thousands separator
+        return to_number(found[0]) if len(found) == 1 else None
+    found = NUMBER.findall(text)
+    return to_number(found[-1]) if found else None
+
+# Countdown answers: the other ways models write the four operations, as + - * /
+OPERATOR_SPELLINGS = {"\\times": "*", "\\cdot": "*", "\\div": "/", "×": "*", "·": "*", "÷": "/", "−": "-"}
+EQUATION = re.compile(r"[0-9+\-*/()=\s]+")  # all an answer may hold, once spelled so: no letters, '.' or '^'
+MAX_EQUATION = 200  # characters: ~8x a 4-number answer; it bounds the parser's recursion to ~600 frames
+
+def countdown_equation(text):
+    r"""The equation a Countdown completion answers with, operators spelled + - * /: what its last \boxed{} holds,
+    else its last line made of EQUATION's characters only with an operator in it, else None."""
+    def spelled(s):
+        for other, op in OPERATOR_SPELLINGS.items():
+            s = s.replace(other, op)
+        return s.strip()
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return spelled(boxed)
+    lines = [spelled(line) for line in text.splitlines()]
+    return next((line for line in reversed(lines) if EQUATION.fullmatch(line) and re.search(r"[-+*/]", line)), None)
+
+def _evaluate(tokens):
+    """The exact value of `tokens` (whole numbers, + - * / and parentheses, the usual precedence) as a Fraction, or
+    None if they are not such an expression or it divides by zero. A recursive-descent parser: a model's text is
+    never handed to eval. There is no unary sign: the numbers are positive and the operations binary, so '-3' is
+    not a move the puzzle has."""
+    tokens, pos = tokens + ["end"], 0
+    def take():
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1]
+    def operand():
+        token = take()
+        if token.isdigit():
+            return Fraction(int(token))
+        if token != "(":
+            raise ValueError
+        value = expression()
+        if take() != ")":
+            raise ValueError
+        return value
+    def term():
+        value = operand()
+        while tokens[pos] in ("*", "/"):
+            value = value * operand() if take() == "*" else value / operand()
+        return value
+    def expression():
+        value = term()
+        while tokens[pos] in ("+", "-"):
+            value = value + term() if take() == "+" else value - term()
+        return value
+    try:
+        value = expression()
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value if tokens[pos] == "end" else None
+
+def solves_countdown(equation, numbers, target):
+    """Whether `equation` ('(44 + 19) - 35', '... = 28' also fine) uses each of `numbers` exactly once, as written
+    (concatenating '4' and '4' into '44' is not allowed), and equals `target` exactly: '8 / 3 * 3' is 8."""
+    if len(equation) > MAX_EQUATION or not EQUATION.fullmatch(equation):
+        return False
+    expression, _, claimed = equation.partition("=")
+    if claimed and claimed.strip() != str(target):  # a stated result must be the target: '= 30 = 28' is not
+        return False
+    tokens = re.findall(r"[0-9]+|\S", expression)
+    if sorted(int(t) for t in tokens if t.isdigit()) != sorted(numbers):
+        return False
+    return _evaluate(tokens) == target
 
 # -----------------------------------------------------------------------------
 # built-in reward functions
@@ -35,12 +141,18 @@ def exact_match(prompts, completions, answer, **kwargs):
     return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
 
 def numeric_match(prompts, completions, answer, **kwargs):
-    """1.0 if the last number in the completion has the answer's value, else 0.0; None where the answer is not a
-    number. 'The total is $1,000.' matches '1000': reasoning comes first, so the last number is the final answer."""
+    """1.0 if the completion's final answer (extract_answer) has the answer's value, else 0.0; None where the answer
+    is not a number. 'The total is $1,000.' matches '1000'."""
+    return [None if to_number(a) is None else float(extract_answer(c) == to_number(a))
+            for c, a in zip(completions, answer)]
+
+def countdown_reward(prompts, completions, numbers, target, **kwargs):
+    """1.0 if the completion's equation (countdown_equation) solves the Countdown problem (solves_countdown) with
+    the row's `numbers` (a list of ints) and `target` (an int), else 0.0."""
     rewards = []
-    for c, a in zip(completions, answer):
-        target, found = to_number(a), NUMBER.findall(c)
-        rewards.append(None if target is None else float(bool(found) and to_number(found[-1]) == target))
+    for c, nums, t in zip(completions, numbers, target):
+        equation = countdown_equation(c)
+        rewards.append(float(equation is not None and solves_countdown(equation, nums, t)))
     return rewards
 
 ENDS_WITH_NUMBER = r"(?s).*\d\s*"  # the completion ends on its answer, no rambling after it
@@ -53,6 +165,9 @@ def format_reward(pattern=ENDS_WITH_NUMBER, name="format"):
         return [float(regex.fullmatch(c) is not None) for c in completions]
     fn.__name__ = name
     return fn
+
+# the GSM8K and Countdown prompts ask for the answer in a \boxed{}; a reward for doing so, whatever is inside
+BOXED = r"(?s).*\\boxed\{.+\}.*"
 
 def soft_overlong_punishment(cache_length=None, max_completion_length=None):
     """DAPO's soft overlong punishment as a reward function: no penalty up to L_max - L_cache tokens, then a
@@ -73,7 +188,9 @@ def soft_overlong_punishment(cache_length=None, max_completion_length=None):
 REWARD_FNS = {  # the names a config can use in its list of reward functions
     "exact_match": exact_match,
     "numeric_match": numeric_match,
+    "countdown_reward": countdown_reward,
     "format": format_reward(),
+    "boxed": format_reward(BOXED, name="boxed"),
     "overlong": soft_overlong_punishment(),
 }
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from loss import group_advantages, kl_divergence
 from reward import compute_rewards
+from tokenizer import render_chat
 
 
 def prompt_seed(*key):
@@ -81,19 +82,26 @@ def pack(prompts, completions, pad):
     return idx, torch.tensor([len(p) for p in prompts])
 
 
+def encode_prompt(prompt, cfg, enc):
+    """A row's prompt (a string or a list of messages) as token ids: the text as it is, or rendered by the chat
+    template, whose special tokens then become their ids."""
+    text = render_chat(prompt, cfg.chat_template, cfg.system_prompt, cfg.enable_thinking)
+    return enc.encode_ordinary(text) if cfg.chat_template == 'none' else enc.encode(text, allowed_special='all')
+
+
 def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     """Sample completions for rows (dicts with 'prompt'); returns prompt ids and (N, C) tokens, mask, logps."""
     G = num_samples or cfg.num_generations
     C = cfg.max_completion_length
     device = next(model.parameters()).device
-    prompts = [enc.encode_ordinary(r['prompt']) for r in rows]
+    prompts = [encode_prompt(r['prompt'], cfg, enc) for r in rows]
     gens = [torch.Generator(device).manual_seed(s) for s in seeds]
     temperature = cfg.temperature if temperature is None else temperature
     with torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
         tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
-                                             top_p=cfg.top_p, eos_id=enc.eot_token, generator=gens)
+                                             top_p=cfg.top_p, eos_id=cfg.eos_ids, generator=gens)
     pad = C - tokens.shape[1]  # generate stops early when every row is done; the loss wants a fixed width C
-    tokens = torch.nn.functional.pad(tokens, (0, pad), value=enc.eot_token)
+    tokens = torch.nn.functional.pad(tokens, (0, pad), value=cfg.eos_ids[0])
     mask = torch.nn.functional.pad(mask, (0, pad), value=False)
     logps = torch.nn.functional.pad(logps.float(), (0, pad))
     return prompts, tokens, mask, logps
@@ -104,8 +112,8 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
     G = num_samples or cfg.num_generations
     ids = [t[:n] for t, n in zip(tokens.tolist(), mask.sum(1).tolist())]
     # the text leaves out the eos, and ids past the tokenizer's vocabulary that a padded output layer can sample
-    completions = [enc.decode([x for x in c if x < enc.n_vocab and x != enc.eot_token]) for c in ids]
-    truncated = [len(c) == cfg.max_completion_length and c[-1] != enc.eot_token for c in ids]
+    completions = [enc.decode([x for x in c if x < enc.n_vocab and x not in cfg.eos_ids]) for c in ids]
+    truncated = [len(c) == cfg.max_completion_length and c[-1] not in cfg.eos_ids for c in ids]
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != 'prompt'}
     columns.update(completion_ids=ids, truncated=truncated, max_completion_length=cfg.max_completion_length)
     prompts = [r['prompt'] for r in rows for _ in range(G)]
@@ -153,7 +161,7 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     rewards, truncated, correct = cat('rewards'), cat('truncated'), cat('correct')
     lengths = mask.sum(1)  # completion lengths before any loss masking, for logging
 
-    idx, start = pack([g['prompt'] for g in kept for _ in range(G)], tokens.tolist(), enc.eot_token)
+    idx, start = pack([g['prompt'] for g in kept for _ in range(G)], tokens.tolist(), cfg.eos_ids[0])
     batch = dict(idx=idx.to(device), start=start.to(device), mask=mask.to(device), old_logps=old_logps.to(device))
     t = lap(times, 'reward', t, device)  # packing the batch counts with scoring
     if cfg.autocast:

@@ -215,6 +215,35 @@ def eos_ids(path):
                 return sorted({eos} if isinstance(eos, int) else set(eos))
     return None
 
+def get_tokenizer(name):
+    """The tokenizer called name: 'bytes' (one token per byte and an end of text, 257 in all, built here for tiny
+    models), 'gpt2' (tiktoken's, downloaded on first use), or a Hugging Face tokenizer.json or its directory."""
+    if name == "bytes":
+        ranks = {bytes([i]): i for i in range(256)}
+        return tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
+                                 special_tokens={"<|endoftext|>": 256})
+    if name == "gpt2":
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception as e:  # no network and no cache: requests' errors, tiktoken's own, ...
+            raise ValueError(f"tokenizer 'gpt2' needs tiktoken's GPT-2 files, which it downloads on first use, and "
+                             f"that failed ({type(e).__name__}); set tokenizer= to the checkpoint's tokenizer.json or "
+                             f"its directory instead") from None
+    if os.path.exists(name):
+        return load_hf_tokenizer(name)
+    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes' (built in, no download), 'gpt2', or a Hugging Face "
+                     f"tokenizer.json or the directory that holds it")
+
+def stop_ids(enc, template="none", path=None):
+    """The ids that end a completion; the first is the one a finished answer is written with (warm start, padding):
+    the chat template's end of turn, then the eos ids of the checkpoint the tokenizer came from (path: its
+    directory or tokenizer.json; instruct models list several), else the tokenizer's end of text."""
+    turn_end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(template)
+    ids = [enc.encode_single_token(turn_end)] if turn_end else []
+    folder = path if path is None or os.path.isdir(path) else os.path.dirname(path)
+    ids += (folder and eos_ids(folder)) or [enc.eot_token]
+    return list(dict.fromkeys(ids))  # no repeats, first one first
+
 # -----------------------------------------------------------------------------
 # chat templates: the text each model's own Jinja template (tokenizer_config.json's chat_template) renders for a
 # conversation with add_generation_prompt=True, written out as plain string code

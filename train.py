@@ -29,11 +29,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 from bench import matmul_peak, memory_mb, update_flops
 from configurator import check_config, configure
-from data import default_reward, get_tokenizer, load_dataset
+from data import default_reward, load_dataset
 from loss import grpo_loss
 from model import GPT, GPTConfig
+from tokenizer import check_template, get_tokenizer, stop_ids
 from reward import get_reward_fns, pass_at_k
-from rollout import gather, lap, pack, prompt_seed, rollout, sample, score
+from rollout import encode_prompt, gather, lap, pack, prompt_seed, rollout, sample, score
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
@@ -50,7 +51,11 @@ wandb_run_name = 'grpo'
 task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "answer"} rows
 task_options = {'digits': 2}  # a built-in task's options (see data.py)
 test_task = ''  # held-out data: '' = the task's own test split
-tokenizer = 'bytes'  # 'bytes' (257 tokens, built locally) or 'gpt2' (tiktoken, for GPT-2 weights)
+tokenizer = ''  # 'bytes' (257 tokens, built here), 'gpt2' (tiktoken's), a tokenizer.json or its directory;
+# '' = the init_from directory's own if it has one, else 'bytes'
+chat_template = 'none'  # 'none' (the prompt as it is), 'chatml' (Qwen2/2.5/3) or 'llama3' (see tokenizer.py)
+system_prompt = None  # a system message for prompts without one (tokenizer.QWEN25_SYSTEM is Qwen2.5's default)
+enable_thinking = None  # Qwen3's switch: False opens each answer with an empty <think> block
 reward_funcs = ()  # reward function names from reward.py; () = the task's default
 reward_weights = ()  # one weight per reward function; () = all 1
 # model, when init_from='scratch'
@@ -64,7 +69,8 @@ bias = True
 # supervised warm start on the task's answers (a cold start, as in DeepSeek-R1), cached in out_dir/warmstart, for
 # a new run (not a resume): GRPO learns only from groups whose rewards differ, so a policy that never gets a reward
 # learns nothing
-sft_iters = 400  # enough for ~27% greedy accuracy on 2-digit addition, far from what RL then reaches
+sft_iters = None  # None = 400 from scratch (~27% greedy accuracy on 2-digit addition, far from what RL then
+# reaches) and 0 from a pretrained checkpoint, which needs no warm start
 sft_batch_size = 64
 sft_learning_rate = 1e-3
 # rollout
@@ -136,7 +142,13 @@ if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 master = rank == 0
+if sft_iters is None:
+    sft_iters = config['sft_iters'] = 0 if os.path.isdir(init_from) else 400
 check_config(config, world_size)
+state = checkpoint.load_state(out_dir) if init_from == 'resume' else None
+if not tokenizer:  # the checkpoint's own; a resumed run keeps the one it started with
+    own = any(os.path.exists(os.path.join(init_from, f)) for f in ('tokenizer.json', 'vocab.json'))
+    tokenizer = config['tokenizer'] = state['config']['tokenizer'] if state else init_from if own else 'bytes'
 autocast = dtype in ('bfloat16', 'float16')
 cfg = SimpleNamespace(**config, world_size=world_size, autocast=autocast, ptdtype=getattr(torch, dtype))
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
@@ -145,6 +157,8 @@ torch.backends.cudnn.allow_tf32 = True
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
+check_template(enc, chat_template)
+cfg.eos_ids = stop_ids(enc, chat_template, tokenizer if os.path.exists(tokenizer) else None)
 train_rows = load_dataset(task, 'train', seed=seed, **task_options)
 test_rows = load_dataset(test_task or task, 'test', seed=seed, size=eval_size, **task_options)
 names, weights = (reward_funcs, reward_weights or (1.0,) * len(reward_funcs)) if reward_funcs else \
@@ -154,7 +168,7 @@ if len(train_rows) < prompts_per_step:
     raise ValueError(f"{task} has {len(train_rows)} prompts but prompts_per_step={prompts_per_step}; "
                      f"lower prompts_per_step or add data")
 for rows, name in ((train_rows, task), (test_rows, test_task or task)):
-    longest = max(len(enc.encode_ordinary(r['prompt'])) for r in rows)
+    longest = max(len(encode_prompt(r['prompt'], cfg, enc)) for r in rows)
     if longest + max_completion_length > block_size:
         raise ValueError(f"{name}: longest prompt is {longest} tokens, + max_completion_length={max_completion_length} "
                          f"> block_size={block_size}; shorten prompts or max_completion_length, or raise block_size")
@@ -163,7 +177,6 @@ for rows, name in ((train_rows, task), (test_rows, test_task or task)):
 # model
 torch.manual_seed(seed)  # the scratch init: the same weights on every rank and in every run
 if init_from == 'resume':
-    state = checkpoint.load_state(out_dir)
     model = GPT.from_pretrained(state['dir'], dtype=param_dtype)
 elif init_from == 'scratch':
     model = GPT(GPTConfig(block_size=block_size, vocab_size=max(vocab_size, enc.n_vocab), n_layer=n_layer,
@@ -203,7 +216,7 @@ def all_sum(x):
 
 def warm_start():
     """Supervised cold start on the train answers, cached in out_dir/warmstart (reused while its config matches)."""
-    keys = ('init_from', 'task', 'task_options', 'tokenizer', 'vocab_size', 'n_layer', 'n_head', 'n_embd',
+    keys = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'vocab_size', 'n_layer', 'n_head', 'n_embd',
             'block_size', 'bias', 'sft_iters', 'sft_batch_size', 'sft_learning_rate', 'seed')
     spec = {k: config[k] for k in keys}
     path = os.path.join(out_dir, 'warmstart')
@@ -215,9 +228,9 @@ def warm_start():
         g = torch.Generator().manual_seed(prompt_seed(seed, -2, i))
         picks = torch.randint(len(train_rows), (sft_batch_size,), generator=g).tolist()
         picks = picks[rank::world_size]
-        prompts = [enc.encode_ordinary(train_rows[j]['prompt']) for j in picks]
-        answers = [enc.encode_ordinary(train_rows[j]['answer']) + [enc.eot_token] for j in picks]
-        idx, start = pack(prompts, answers, enc.eot_token)
+        prompts = [encode_prompt(train_rows[j]['prompt'], cfg, enc) for j in picks]
+        answers = [enc.encode_ordinary(train_rows[j]['answer']) + cfg.eos_ids[:1] for j in picks]
+        idx, start = pack(prompts, answers, cfg.eos_ids[0])
         L = max(map(len, answers))
         mask = (torch.arange(L) < torch.tensor([len(a) for a in answers])[:, None]).float()  # (B, L)
         with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):

@@ -29,7 +29,7 @@ def test_defaults_and_every_recipe_pass_the_checks():
     check_config(configure(DEFAULTS, []), world_size=1)
     for name in sorted(os.listdir(os.path.join(ROOT, 'config'))):
         c = configure(DEFAULTS, [os.path.join(ROOT, 'config', name)])
-        if 'gpt2' in name:  # the GPU recipe: 8 ranks, and GPT-2's directory is the user's to download
+        if c['init_from'] != 'scratch':  # GPU recipes: the weights are the user's to download
             c['init_from'] = 'scratch'
         check_config(c, world_size=8 if 'gpt2' in name else 2)
 
@@ -81,7 +81,7 @@ def test_bad_config_files(tmp_path):
     (dict(beta=0.04, init_from='scratch', sft_iters=0), 1, "beta > 0 needs a reference policy"),
     (dict(delta=1.1, epsilon_high=0.2), 1, "delta=1.1 must be None or > 1 + epsilon_high"),
     (dict(temperature=0.0), 1, "temperature=0.0 must be > 0"),
-    (dict(init_from='/no/such/dir'), 1, "is neither 'scratch', 'resume' nor a Hugging Face GPT-2 directory"),
+    (dict(init_from='/no/such/dir'), 1, "is neither 'scratch', 'resume' nor a Hugging Face checkpoint directory"),
     (dict(init_from='resume', out_dir='/no/such/out'), 1, "holds no checkpoint"),
     (dict(top_p=1.5), 1, "top_p must be None or in (0, 1]"),
 ])

@@ -1,7 +1,9 @@
 """
 Tests for data.py: the byte tokenizer, the built-in tasks (answers checked by recomputing them from the prompt,
-splits disjoint and deterministic), the JSON Lines loader on good and malformed files, and default rewards.
+Countdown's solutions with Python's own arithmetic, splits disjoint and deterministic), the JSON Lines loader on good
+and malformed files (GSM8K's layout included), and default rewards.
 """
+import itertools
 import json
 import os
 import re
@@ -10,8 +12,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from data import default_reward, get_tokenizer, load_dataset
-from reward import get_reward_fns
+from data import default_reward, load_dataset
+from reward import compute_rewards, get_reward_fns
+from tokenizer import get_tokenizer
 
 def test_bytes_tokenizer_round_trip():
     enc = get_tokenizer("bytes")
@@ -23,11 +26,6 @@ def test_bytes_tokenizer_round_trip():
                 assert ids == list(text.encode()) and enc.decode(ids) == text
     ids = enc.encode_ordinary("héllo <|endoftext|>")  # special text in data is plain text, not an eos
     assert 256 not in ids and enc.decode(ids) == "héllo <|endoftext|>"
-
-def test_unknown_tokenizer():
-    with pytest.raises(ValueError, match="unknown tokenizer 'gpt3'; use 'bytes' \\(built-in tasks, no download\\) "
-                                         "or 'gpt2'"):
-        get_tokenizer("gpt3")
 
 # -----------------------------------------------------------------------------
 # built-in tasks
@@ -49,6 +47,45 @@ def test_sort_answers():
         assert len(xs) == 5 and all(0 <= x < 100 for x in xs)
         assert r["answer"] == " ".join(str(x) for x in sorted(xs))
 
+def countdown_prompt(numbers, target):
+    return (f"Using the numbers {numbers}, create an equation that equals {target}. You can use + - * / and "
+            f"parentheses, and each number exactly once. Please reason step by step, and put your final answer "
+            f"within \\boxed{{}}.")
+
+def test_countdown_problems_are_solved_by_their_answers():
+    rows = load_dataset("countdown", "train", seed=1, size=2000)
+    assert len({r["prompt"] for r in rows}) == 2000
+    assert 800 < sum(len(r["numbers"]) == 3 for r in rows) < 1200  # count=(3, 4): about half each
+    for r in rows:
+        assert r.keys() == {"prompt", "answer", "numbers", "target"}
+        assert r["prompt"] == countdown_prompt(r["numbers"], r["target"])
+        assert len(r["numbers"]) in (3, 4) and all(1 <= x <= 99 for x in r["numbers"]) and 1 <= r["target"] <= 100
+        # the answer, a trusted string written by data.py, checked independently of reward.py's parser
+        assert sorted(map(int, re.findall(r"\d+", r["answer"]))) == sorted(r["numbers"])
+        assert re.fullmatch(r"[\d+\-*/() ]+", r["answer"]) and eval(r["answer"]) == r["target"]
+    names, weights = default_reward("countdown", rows)
+    total, _ = compute_rewards(get_reward_fns(names), weights, [r["prompt"] for r in rows],
+                               [f"\\boxed{{{r['answer']}}}" for r in rows],
+                               {"numbers": [r["numbers"] for r in rows], "target": [r["target"] for r in rows]})
+    assert total == [1.1] * len(rows)
+
+def test_countdown_options():
+    rows = load_dataset("countdown", "test", size=300, count=5, max_number=20, max_target=50)
+    assert len(rows) == 300
+    for r in rows:
+        assert len(r["numbers"]) == 5 and max(r["numbers"]) <= 20 and 1 <= r["target"] <= 50
+        assert eval(r["answer"]) == r["target"]
+    # 27 triples and 9 pairs of numbers in 1..3, each pair drawn for 3 indices: asking for more than there are
+    # returns every problem once, in one split, and no pair with the same target twice
+    train = load_dataset("countdown", "train", size=1000, count=(2, 3), max_number=3, max_target=9)
+    test = load_dataset("countdown", "test", size=1000, count=[2, 3], max_number=3, max_target=9)
+    prompts = [r["prompt"] for r in train + test]
+    assert len(prompts) == len(set(prompts)) and 27 + 9 <= len(prompts) <= 27 + 27
+    assert {tuple(r["numbers"]) for r in train + test} == set(itertools.product((1, 2, 3), repeat=2)) | \
+        set(itertools.product((1, 2, 3), repeat=3))
+    assert load_dataset("countdown", "test", count=3, max_number=3) == \
+        load_dataset("countdown", "test", count=(3,), max_number=3)  # a single count needs no tuple
+
 def test_splits_partition_a_small_problem_space():
     # 1-digit addition has 100 problems: asking for more than there are returns each exactly once, in one split
     train = load_dataset("addition", "train", size=1000, digits=1)
@@ -57,7 +94,8 @@ def test_splits_partition_a_small_problem_space():
     assert {r["prompt"] for r in train} | {r["prompt"] for r in test} == everything
     assert len(train) + len(test) == 100 and 0 < len(test) < 30
 
-@pytest.mark.parametrize("task, options", [("addition", {"digits": 2}), ("addition", {"digits": 4}), ("sort", {})])
+@pytest.mark.parametrize("task, options", [("addition", {"digits": 2}), ("addition", {"digits": 4}), ("sort", {}),
+                                           ("countdown", {})])
 def test_splits_disjoint_and_deterministic(task, options):
     train = load_dataset(task, "train", seed=0, size=2000, **options)
     test = load_dataset(task, "test", seed=0, size=500, **options)
@@ -71,13 +109,24 @@ def test_default_sizes():
     assert len(load_dataset("addition")) == 10000 and len(load_dataset("addition", "test")) == 500
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(name="multiply"), "unknown dataset 'multiply'; use a built-in task \\(addition, sort\\) or a .jsonl path"),
+    (dict(name="multiply"), "unknown dataset 'multiply'; use a built-in task \\(addition, sort, countdown\\) or a "
+                            ".jsonl path"),
     (dict(name="addition", split="val"), "unknown split 'val'; use 'train' or 'test'"),
     (dict(name="addition", size=0), "size must be a positive integer or None, got 0"),
     (dict(name="addition", size=2.5), "size must be a positive integer or None, got 2.5"),
     (dict(name="addition", digit=2), "task 'addition' has no option 'digit'; its options are: digits"),
     (dict(name="sort", length=0), "task option length must be a positive integer, got 0"),
     (dict(name="sort", digits="2"), "task option digits must be a positive integer, got '2'"),
+    (dict(name="addition", digits=(2, 3)), "task option digits must be a positive integer, got \\(2, 3\\)"),
+    (dict(name="countdown", numbers=4), "task 'countdown' has no option 'numbers'; its options are: count, "
+                                        "max_number, max_target"),
+    (dict(name="countdown", count=(3, 0)), "task option count must be a positive integer or a tuple of them, got "
+                                           "\\(3, 0\\)"),
+    (dict(name="countdown", count=()), "task option count must be a positive integer or a tuple of them, got \\(\\)"),
+    (dict(name="countdown", count="34"), "task option count must be a positive integer or a tuple of them, got '34'"),
+    (dict(name="countdown", max_number=0), "task option max_number must be a positive integer, got 0"),
+    (dict(name="countdown", max_number=200), "task 'countdown' needs max_target >= max_number, got max_target=100 "
+                                             "and max_number=200"),
     (dict(name="sort", length=9, size=10**9), "task 'sort' with {'length': 9} has about 900000000 train problems, "
                                               "too few to draw 1000000000 distinct ones at random; ask for at most "
                                               "450000000 rows"),
@@ -116,7 +165,9 @@ def test_gsm8k_layout(tmp_path):
     solution = "She sold 48/2 = <<48/2=24>>24 clips in May.\nIn all 1,048+24 = <<1048+24=1072>>1072 clips.\n#### 1,072"
     write(tmp_path / "train.jsonl", [json.dumps({"question": "How many clips?", "answer": solution})])
     rows = load_dataset(str(tmp_path / "{split}.jsonl"))
-    assert rows == [{"prompt": "How many clips?", "answer": "1072", "solution": solution}]
+    prompt = "How many clips?\nPlease reason step by step, and put your final answer within \\boxed{}."
+    assert rows == [{"prompt": prompt, "answer": "1072", "solution": solution}]
+    assert default_reward("data/gsm8k/{split}.jsonl", rows) == (["numeric_match", "boxed"], [1.0, 0.1])
 
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "2+2=", "answer": "4"', "invalid JSON \\(Expecting ',' delimiter at column 33\\); each line must "
@@ -124,7 +175,7 @@ def test_gsm8k_layout(tmp_path):
     ('["2+2=", "4"]', "expected a JSON object like .*, got a list"),
     ('{"prompt": "2+2="}', 'no "answer"; every row needs a "prompt" \\(or GSM8K "question"\\) and an "answer"'),
     ('{"text": "2+2=", "answer": "4"}', 'no "prompt"; every row needs a "prompt"'),
-    ('{"prompt": ["2+2="], "answer": "4"}', '"prompt" must be a string, got \\["2\\+2="\\]'),
+    ('{"prompt": ["2+2="], "answer": "4"}', '"prompt" must be a string or a list of \\{"role", "content"\\} messages \\(for a chat_template\\), got \\["2\\+2="\\]'),
     ('{"prompt": "2+2=", "answer": true}', '"answer" must be a string or a number, got true'),
     ('{"prompt": "2+2=", "answer": null}', '"answer" must be a string or a number, got null'),
     ('{"prompt": "2+2=", "answer": "4", "truncated": false}', 'column "truncated" is reserved'),
@@ -145,7 +196,7 @@ def test_empty_and_missing_files(tmp_path):
         load_dataset(path)
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match=f"dataset file {missing} not found; give the path of a .jsonl file "
-                                                f"or a built-in task \\(addition, sort\\)"):
+                                                f"or a built-in task \\(addition, sort, countdown\\)"):
         load_dataset(missing)
 
 def test_jsonl_refuses_task_options_and_empty_split(tmp_path):
@@ -161,6 +212,23 @@ def test_jsonl_refuses_task_options_and_empty_split(tmp_path):
 def test_default_reward():
     assert default_reward("addition", load_dataset("addition", "test", size=5)) == (["exact_match"], [1.0])
     numeric = [{"prompt": "?", "answer": "1072"}, {"prompt": "?", "answer": "-0.5"}]
-    names, weights = default_reward("gsm8k.jsonl", numeric)
+    names, weights = default_reward("numbers.jsonl", numeric)  # prompts that ask for no box: end on the number
     assert names == ["numeric_match", "format"] and weights == [1.0, 0.1] and len(get_reward_fns(names)) == 2
     assert default_reward("words.jsonl", numeric + [{"prompt": "?", "answer": "Paris"}]) == (["exact_match"], [1.0])
+    boxed = [{"prompt": "? Put it in \\boxed{}.", "answer": "3"}]
+    assert default_reward("mine.jsonl", boxed) == (["numeric_match", "boxed"], [1.0, 0.1])
+    assert default_reward("mine.jsonl", boxed + numeric) == (["numeric_match", "format"], [1.0, 0.1])
+    countdown = load_dataset("countdown", "test", size=5)
+    names, weights = default_reward("countdown", countdown)
+    assert (names, weights) == (["countdown_reward", "boxed"], [1.0, 0.1]) and len(get_reward_fns(names)) == 2
+    from_file = [{"prompt": "?", "answer": "3 + 4", "numbers": [3, 4], "target": 7}]  # Countdown rows from a file
+    assert default_reward("countdown.jsonl", from_file) == (["countdown_reward", "boxed"], [1.0, 0.1])
+
+
+def test_chat_message_prompts_load(tmp_path):
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1="}],
+             "answer": str(i + 1)} for i in range(30)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = load_dataset(str(tmp_path / "chat.jsonl"), "train")
+    test = load_dataset(str(tmp_path / "chat.jsonl"), "test")
+    assert len(train) + len(test) == 30 and all(r in rows for r in train + test)

@@ -1,6 +1,7 @@
 """
-Tests for reward.py: each built-in reward function against hand-worked cases, compute_rewards' weighting and every
-error it raises (the message text included), and pass@k against a brute-force enumeration of subsets.
+Tests for reward.py: each built-in reward function against hand-worked cases, the GSM8K answer extractor and the
+Countdown verifier against tables of tricky answers, compute_rewards' weighting and every error it raises (the
+message text included), and pass@k against a brute-force enumeration of subsets.
 """
 import itertools
 import math
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from reward import (compute_rewards, exact_match, format_reward, get_reward_fns, numeric_match, pass_at_k,
-                    soft_overlong_punishment, to_number)
+from reward import (compute_rewards, countdown_reward, exact_match, extract_answer, format_reward, get_reward_fns,
+                    last_boxed, numeric_match, pass_at_k, soft_overlong_punishment, to_number)
 
 def test_to_number():
     assert to_number("42") == 42 and to_number(" -3.50 ") == -3.5 and to_number("1,234.5") == 1234.5
@@ -25,9 +26,56 @@ def test_exact_match():
     assert got == [1.0, 1.0, 0.0, 0.0]
 
 def test_numeric_match():
-    completions = ["So the total is $1,234.", "12 apples, then 13", "no idea", "x = -3.50", "5", "5"]
-    answers = ["1234", "12", "7", "-3.5", "5.0", "five"]
-    assert numeric_match([""] * 6, completions, answer=answers) == [1.0, 0.0, 0.0, 1.0, 1.0, None]
+    completions = ["So the total is $1,234.", "12 apples, then 13", "no idea", "x = -3.50", "5", "5",
+                   "Total: \\boxed{1,234.50} (check: 1234.5 - 34.5 = 1200)", "#### 7\nthat is, 3 + 4"]
+    answers = ["1234", "12", "7", "-3.5", "5.0", "five", "1234.5", "7"]
+    assert numeric_match([""] * 8, completions, answer=answers) == [1.0, 0.0, 0.0, 1.0, 1.0, None, 1.0, 1.0]
+
+@pytest.mark.parametrize("text, boxed", [
+    ("so \\boxed{42}.", "42"),
+    ("\\boxed{\\frac{3}{4}} is it", "\\frac{3}{4}"),  # nested braces
+    ("\\boxed{1} or rather \\boxed{2}", "2"),  # the last one
+    ("\\boxed{}", ""),
+    ("\\boxed{1} then \\boxed{2", None),  # the last one never closes: no boxed answer
+    ("\\boxed 2", None),
+    ("no box", None),
+])
+def test_last_boxed(text, boxed):
+    assert last_boxed(text) == boxed
+
+@pytest.mark.parametrize("text, value", [
+    ("#### 42", 42),
+    ("so the answer is \\boxed{42}.", 42),
+    ("48 / 2 = 24, and 24 + 18 = 42", 42),  # no marker: the last number
+    ("#### 42\nthat is \\boxed{41}", 42),  # a '#### N' line wins over a box
+    ("\\boxed{41}\n####  $1,000.", 1000),
+    ("####-3", -3),
+    ("#### Step 2: add 5 apples\nso \\boxed{7}", 7),  # a markdown heading is not an answer line
+    ("#### 42 apples, then 1 more", 1),  # nor is a '####' line with more than the number
+    ("#### 3/4", 4),
+    ("\\boxed{\\$1,000}", 1000),
+    ("\\boxed{1{,}000}", 1000),  # LaTeX's thousands separator
+    ("\\boxed{18 \\text{ dollars}}", 18),
+    ("\\boxed{x = -3}", -3),
+    ("\\boxed{0.5}", 0.5),
+    ("\\boxed{.5}", 0.5),
+    ("\\boxed{5} at first, but \\boxed{7}", 7),
+    ("\\boxed{3/4}", None),  # a box holds the declared answer: not one number, so no answer
+    ("\\boxed{\\frac{3}{4}}", None),
+    ("\\boxed{2 + 3 = 5}", None),
+    ("\\boxed{}", None),
+    ("\\boxed{42", 42),  # never closed: no box, so the last number
+    ("It costs $1,234.50.", 1234.5),
+    ("She pays $18.", 18),
+    ("It drops to -3 degrees", -3),
+    ("x = 10-7", 7),  # a '-' after a digit is a subtraction
+    ("x = (10)-7", 7),
+    ("it is 3/4", 4),  # fractions are not evaluated: GSM8K's answers are whole numbers
+    ("no idea", None),
+    ("", None),
+])
+def test_extract_answer(text, value):
+    assert extract_answer(text) == value
 
 def test_format_reward():
     fn = format_reward()
@@ -36,6 +84,76 @@ def test_format_reward():
     boxed = format_reward(r"(?s).*\\boxed\{.+\}", name="boxed")
     assert boxed.__name__ == "boxed"
     assert boxed(["", ""], ["thus \\boxed{3}", "3"]) == [1.0, 0.0]
+    (boxed,) = get_reward_fns("boxed")  # the built-in one: a box with something in it, anywhere
+    completions = ["\\boxed{42}", "$\\boxed{\\frac{3}{4}}$, I think", "\\boxed{44 + 19}", "\\boxed{}", "42"]
+    assert boxed([""] * 5, completions) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+# (completion, numbers, target, reward)
+COUNTDOWN = [
+    ("\\boxed{44 + 19 + 35}", [44, 19, 35], 98, 1.0),
+    ("So: \\boxed{ (44+19)\n+35 }.", [44, 19, 35], 98, 1.0),  # spaces and line breaks anywhere
+    ("\\boxed{35 + 19 + 44 = 98}", [44, 19, 35], 98, 1.0),  # '= target' may follow
+    ("\\boxed{44 + 19 + 35 = 97}", [44, 19, 35], 98, 0.0),  # but it must be the target
+    ("\\boxed{98 = 44 + 19 + 35}", [44, 19, 35], 98, 0.0),  # on the right
+    ("\\boxed{44 + 19 = 63 + 35 = 98}", [44, 19, 35], 98, 0.0),  # a chain of steps is not an equation
+    ("\\boxed{44 + 19 + 35 + 0}", [44, 19, 35], 98, 0.0),  # an extra number
+    ("\\boxed{44 + 54}", [44, 19, 35], 98, 0.0),  # a missing one
+    ("\\boxed{44 + 44 + 10}", [44, 19, 35], 98, 0.0),
+    ("\\boxed{19 + 19 + 60}", [19, 19, 60], 98, 1.0),  # a repeated number, used as often as given
+    ("\\boxed{19 + 60 + 19 + 19 - 19}", [19, 19, 60], 98, 0.0),  # but not more often
+    ("\\boxed{44 + 2}", [4, 4, 2], 46, 0.0),  # digits are not numbers: no concatenation
+    ("\\boxed{8 / (3 - 8 / 3)}", [3, 3, 8, 8], 24, 1.0),  # exact: in floats this is 23.99999999999999
+    ("\\boxed{8 / 3 * 3 - 5}", [8, 3, 3, 5], 3, 1.0),
+    ("\\boxed{8 / 3 + 5}", [8, 3, 5], 7, 0.0),  # 7.67
+    ("\\boxed{3 / (5 - 5)}", [3, 5, 5], 1, 0.0),  # division by zero
+    ("\\boxed{(44 + 19 + 35}", [44, 19, 35], 98, 0.0),  # unbalanced parentheses
+    ("\\boxed{44 + 19) + 35}", [44, 19, 35], 98, 0.0),
+    ("\\boxed{(44 + 19 + 35))}", [44, 19, 35], 98, 0.0),
+    ("\\boxed{()44 + 19 + 35}", [44, 19, 35], 98, 0.0),
+    ("\\boxed{44 19 + 35}", [44, 19, 35], 54, 0.0),  # two numbers with no operation between them
+    ("\\boxed{44 + 19 + 35 +}", [44, 19, 35], 98, 0.0),
+    ("\\boxed{2 ** 3 * 1}", [2, 3, 1], 8, 0.0),  # no powers, in either spelling
+    ("\\boxed{2 ^ 3 * 1}", [2, 3, 1], 8, 0.0),
+    ("\\boxed{44 - 19 + 35}", [44, 19, 35], 60, 1.0),
+    ("\\boxed{-19 + 44 + 35}", [44, 19, 35], 60, 0.0),  # no unary sign
+    ("\\boxed{44 + (-19) + 35}", [44, 19, 35], 60, 0.0),
+    ("\\boxed{44.0 + 19 + 35}", [44, 19, 35], 98, 0.0),  # whole numbers only
+    ("\\boxed{__import__('os').system('44 + 19 + 35')}", [44, 19, 35], 98, 0.0),  # code is text, never run
+    ("\\boxed{eval('44+19+35')}", [44, 19, 35], 98, 0.0),
+    ("\\boxed{(lambda: 98)()}", [44, 19, 35], 98, 0.0),
+    ("\\boxed{\\left(44 + 19\\right) + 35}", [44, 19, 35], 98, 0.0),  # letters
+    ("\\boxed{٤٤ + 19 + 35}", [44, 19, 35], 98, 0.0),  # only ASCII digits
+    ("\\boxed{6 × 4 ÷ 3}", [6, 4, 3], 8, 1.0),  # the usual other spellings of * / -
+    ("\\boxed{6 \\times 4 \\div 3}", [6, 4, 3], 8, 1.0),
+    ("\\boxed{(6 − 4) \\cdot 3}", [6, 4, 3], 6, 1.0),
+    ("\\boxed{6 · 4 − 3 = 21}", [6, 4, 3], 21, 1.0),
+    ("\\boxed{6 x 4 / 3}", [6, 4, 3], 8, 0.0),  # but not the letter x
+    ("\\boxed{44 + 19} no wait: \\boxed{44 + 19 + 35}", [44, 19, 35], 98, 1.0),  # the last box wins
+    ("\\boxed{44 + 19 + 35} no wait: \\boxed{44 + 19}", [44, 19, 35], 98, 0.0),
+    ("\\boxed{44 + 19 + 35} and then \\boxed{44", [44, 19, 35], 98, 0.0),  # an unclosed last box: no answer
+    ("\\boxed{}", [44, 19, 35], 98, 0.0),
+    ("Let me try.\n44 + 19 + 35 = 98\nThat works!", [44, 19, 35], 98, 1.0),  # no box: the last equation line
+    ("44 + 19 = 63\n63 + 35 = 98", [44, 19, 35], 98, 0.0),  # which is the last step here, not the whole answer
+    ("44 + 19 + 35\n98", [44, 19, 35], 98, 1.0),  # a line without an operation is not an equation
+    ("The answer is 44 + 19 + 35.", [44, 19, 35], 98, 0.0),  # a line with words is not one either
+    ("I cannot find one.", [44, 19, 35], 98, 0.0),
+    ("", [44, 19, 35], 98, 0.0),
+    ("\\boxed{" + "(" * 94 + "44" + ")" * 94 + " + 19 + 35}", [44, 19, 35], 98, 1.0),  # 200 characters: parsed
+    ("\\boxed{" + "(" * 95 + "44" + ")" * 95 + " + 19 + 35}", [44, 19, 35], 98, 0.0),  # 202: too long to read
+    ("\\boxed{" + "(" * 10**6 + "}", [44, 19, 35], 98, 0.0),
+    ("(" * 10**6 + "44 + 19 + 35" + ")" * 10**6, [44, 19, 35], 98, 0.0),
+]
+
+@pytest.mark.parametrize("completion, numbers, target, reward", COUNTDOWN)
+def test_countdown_reward(completion, numbers, target, reward):
+    assert countdown_reward([""], [completion], [numbers], [target]) == [reward]
+
+def test_countdown_in_a_batch():
+    # as the rollout calls it: the table as one batch, `numbers` a column of lists, scores as it does row by row
+    completions, numbers, target, expected = map(list, zip(*COUNTDOWN))
+    _, per_function = compute_rewards([countdown_reward], [1.0], [""] * len(completions), completions,
+                                      dict(numbers=numbers, target=target))
+    assert per_function["countdown_reward"] == expected
 
 def test_soft_overlong_punishment():
     # DAPO eq. 13 with L_max = 10, L_cache = 4: free up to 6 tokens, then -1/4 per token, -1 from 10 on
@@ -52,11 +170,12 @@ def test_soft_overlong_punishment():
         soft_overlong_punishment(8)(None, None, [[1]], max_completion_length=5)
 
 def test_get_reward_fns():
-    fns = get_reward_fns(["exact_match", "format", "overlong"])
-    assert [fn.__name__ for fn in fns] == ["exact_match", "format", "overlong"]
+    fns = get_reward_fns(["exact_match", "format", "overlong", "boxed"])
+    assert [fn.__name__ for fn in fns] == ["exact_match", "format", "overlong", "boxed"]
     assert get_reward_fns("numeric_match") == [numeric_match]
+    assert get_reward_fns("countdown_reward") == [countdown_reward]
     with pytest.raises(ValueError, match="unknown reward function 'exact'; valid names: exact_match, numeric_match, "
-                                         "format, overlong"):
+                                         "countdown_reward, format, boxed, overlong"):
         get_reward_fns(["exact_match", "exact"])
 
 def test_get_reward_fns_imports_module_functions(tmp_path, monkeypatch):

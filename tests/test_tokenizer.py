@@ -9,14 +9,15 @@ import json
 import os
 import pickle
 import re
+import shutil
 import unicodedata
 
 import pytest
 import regex
 import tiktoken
 
-from tokenizer import (GPT2_PATTERN, QWEN2_SYSTEM, QWEN25_SYSTEM, check_template, eos_ids, load_hf_tokenizer,
-                       render_chat)
+from tokenizer import (GPT2_PATTERN, QWEN2_SYSTEM, QWEN25_SYSTEM, check_template, eos_ids, get_tokenizer,
+                       load_hf_tokenizer, render_chat, stop_ids)
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-bpe-a")
 with open(os.path.join(FIXTURE, "reference.json"), encoding="utf-8") as f:
@@ -376,3 +377,31 @@ def test_chatml_tokens(enc):
         expected += [542, *enc.encode_ordinary(piece), 543, *enc.encode_ordinary("\n")]
     assert ids == expected + [542, *enc.encode_ordinary("assistant\n<think>\n\n</think>\n\n")]
     assert [i for i in ids if i > 540] == [542, 543] * 3 + [542]
+
+
+# -----------------------------------------------------------------------------
+# get_tokenizer and the ids that end a completion
+
+def test_get_tokenizer_by_name_and_path():
+    assert get_tokenizer("bytes").n_vocab == 257
+    for path in (FIXTURE, os.path.join(FIXTURE, "tokenizer.json")):
+        assert get_tokenizer(path).n_vocab == 544
+    with pytest.raises(ValueError, match=r"unknown tokenizer 'gpt3'; use 'bytes' \(built in, no download\), 'gpt2', or"):
+        get_tokenizer("gpt3")
+
+def test_gpt2_without_network_is_a_clear_error(tmp_path, monkeypatch):
+    import requests
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # nothing cached
+    monkeypatch.setattr(requests, "get", lambda *a, **k: (_ for _ in ()).throw(requests.ConnectionError("offline")))
+    with pytest.raises(ValueError, match=r"tokenizer 'gpt2' needs tiktoken's GPT-2 files.*\(ConnectionError\); set "
+                                         r"tokenizer= to the checkpoint's tokenizer.json"):
+        get_tokenizer("gpt2")
+
+def test_stop_ids(tmp_path):
+    enc = get_tokenizer(FIXTURE)
+    assert stop_ids(enc) == [541] and stop_ids(enc, "chatml", FIXTURE) == [543, 541]  # no generation_config here
+    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [543, 541]}))
+    assert stop_ids(enc, "none", str(tmp_path / "tokenizer.json")) == [541, 543]
+    assert stop_ids(enc, "chatml", str(tmp_path)) == [543, 541]  # the end of turn first: answers are written with it
+    assert stop_ids(get_tokenizer("bytes")) == [256]

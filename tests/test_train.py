@@ -11,7 +11,10 @@ import torch
 from model import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES = sorted(f for f in os.listdir(os.path.join(ROOT, 'config')) if 'gpt2' not in f)
+CONFIGS = sorted(os.listdir(os.path.join(ROOT, 'config')))
+# recipes that start from downloaded weights run below on a tiny checkpoint of the same family
+REAL = [f for f in CONFIGS if 'init_from' in open(os.path.join(ROOT, 'config', f)).read()]
+RECIPES = [f for f in CONFIGS if f not in REAL]
 # a tiny model and batch: seconds per run. 4 prompts x 4 completions = 16 rows per rollout, micro-batches of 4
 # split evenly into 1, 2 or 4 optimizer steps per rollout (the recipes' steps_per_generation), on 1 or 2 ranks
 TINY = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--sft_iters=3', '--sft_batch_size=8', '--prompts_per_step=4',
@@ -20,7 +23,8 @@ TINY = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--sft_iters=3', '--sft_batc
 
 
 def run(args, out_dir, launcher=(sys.executable,), check=True):
-    cmd = [*launcher, 'train.py', *args, *TINY, f'--out_dir={out_dir}']
+    files, flags = [a for a in args if not a.startswith('--')], [a for a in args if a.startswith('--')]
+    cmd = [*launcher, 'train.py', *files, *TINY, *flags, f'--out_dir={out_dir}']  # a test's flags win over TINY's
     env = dict(os.environ, OMP_NUM_THREADS='1')
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     if check and p.returncode != 0:
@@ -88,3 +92,30 @@ def test_trains_from_each_family(family, tmp_path):
     assert trained.config == original.config
     assert json.load(open(os.path.join(ckpt, 'config.json')))['model_type'] == original.config.model_type
     assert any(not torch.equal(a, b.float()) for a, b in zip(trained.parameters(), original.parameters()))
+
+
+def test_chat_run_with_the_checkpoints_tokenizer(tmp_path):
+    """tiny-qwen2-a with the Qwen2.5-layout tokenizer tiny-bpe-a (544 ids fit its 640 rows) and the chatml template:
+    the prompts are rendered as chat turns and completions stop on <|im_end|>."""
+    out, fixtures = tmp_path / 'out', os.path.join(ROOT, 'tests', 'fixtures')
+    p = run(['config/dr_grpo.py', '--max_iters=2', f"--init_from={fixtures}/tiny-qwen2-a", '--block_size=32',
+             f"--tokenizer={fixtures}/tiny-bpe-a", '--chat_template=chatml', "--system_prompt='Add.'"], out)
+    assert [m['iter'] for m in metrics(out) if 'reward' in m] == [0, 1] and 'eval 2' in p.stdout
+
+
+@pytest.mark.parametrize('recipe', [f for f in REAL if f.startswith('qwen')])
+def test_qwen_recipes_on_a_tiny_qwen(recipe, tmp_path):
+    """The Qwen recipes as written (template, system prompt, task, rewards, loss, checkpointing), with the model, the
+    tokenizer and the GSM8K files swapped for tiny ones, in float32 without compile: two iterations run."""
+    fixtures = os.path.join(ROOT, 'tests', 'fixtures')
+    for split, n in (('train', 8), ('test', 4)):  # the GSM8K layout: a question and a worked answer ending '#### N'
+        rows = [dict(question=f"Tom has {i} apples and buys {i + 2}. How many now?", answer=f"{i} + {i + 2} = "
+                     f"{2 * i + 2}\n#### {2 * i + 2}") for i in range(n)]
+        (tmp_path / f'{split}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    out = tmp_path / 'out'
+    p = run([f'config/{recipe}', '--max_iters=2', f'--init_from={fixtures}/tiny-qwen2-a', '--block_size=256',
+             f'--tokenizer={fixtures}/tiny-bpe-a', '--dtype=float32', '--compile=False', '--eval_interval=2']
+            + ([f"--task={tmp_path}/{{split}}.jsonl", '--task_options={}'] if 'gsm8k' in recipe else
+               ["--task_options={'count': (3,)}"]), out)
+    rows = [m for m in metrics(out) if 'reward' in m]
+    assert [m['iter'] for m in rows] == [0, 1] and 'eval 2: greedy acc' in p.stdout
