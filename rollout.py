@@ -125,8 +125,9 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
 def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
     """
     Rollouts of this rank's prompts of iteration `it` (step_rows; dynamic sampling adds extra_rows). Returns
-    (batch, info): batch as in the module docstring (on the model's device), info with the rewards, the first reward
-    function's values ('correct'), lengths, counts and the seconds of each phase, for logging.
+    (batch, info): batch as in the module docstring (on the model's device), info with the rewards, each reward
+    function's values ('scores' (B, functions), NaN where one does not apply; the first is the accuracy), lengths,
+    counts and the seconds of each phase, for logging.
     """
     G = cfg.num_generations
     device = next(model.parameters()).device
@@ -138,8 +139,8 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         t = lap(times, 'generate', t, device)
         rewards, truncated, _, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights)
         t = lap(times, 'reward', t, device)
-        correct = torch.tensor([float('nan') if v is None else v for v in per_fn[reward_fns[0].__name__]])
-        per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated, correct=correct)
+        scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]] for f in reward_fns]).T
+        per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated, scores=scores)
         groups = [dict(prompt=prompts[g], **{k: v[g * G:(g + 1) * G] for k, v in per_row.items()})
                   for g in range(len(rows))]  # a group = one prompt and its G completions, kept or dropped whole
         if not cfg.dynamic_sampling:
@@ -158,7 +159,7 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         rows = extra_rows(train_rows, want - len(kept), it, rank, rounds, cfg)
     cat = lambda key: torch.cat([g[key] for g in kept])
     tokens, mask, old_logps = cat('tokens'), cat('mask'), cat('logps')
-    rewards, truncated, correct = cat('rewards'), cat('truncated'), cat('correct')
+    rewards, truncated, scores = cat('rewards'), cat('truncated'), cat('scores')
     lengths = mask.sum(1)  # completion lengths before any loss masking, for logging
 
     idx, start = pack([g['prompt'] for g in kept for _ in range(G)], tokens.tolist(), cfg.eos_ids[0])
@@ -185,7 +186,7 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     B = len(shaped)
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
     lap(times, 'comm', t, device)  # gathering the rewards dominates this part
-    info = dict(time=times, rewards=rewards, correct=correct, lengths=lengths, truncated=truncated,
+    info = dict(time=times, rewards=rewards, scores=scores, lengths=lengths, truncated=truncated,
                 dropped_groups=dropped)
     return batch, info
 

@@ -401,22 +401,24 @@ for it in range(iter_start, max_iters + 1):
                          f"(iteration {it}); the last good checkpoint in {out_dir} is intact. Lower learning_rate "
                          f"or check the rewards, then resume with init_from='resume'")
     # logging: gathered over ranks first, so the line describes the whole step
-    rewards, correct, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
-                                            for k in ('rewards', 'correct', 'lengths', 'truncated'))
+    rewards, scores, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
+                                           for k in ('rewards', 'scores', 'lengths', 'truncated'))
     B, T = batch['idx'].shape
     flops = update_flops(raw_model, B * num_iterations, T, max_completion_length)  # this rank's, in the update
     m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(),
-             acc=(correct.nan_to_num() >= 1).double().mean().item(),
+             acc=(scores[:, 0].nan_to_num() >= 1).double().mean().item(),
              flat_groups=(rewards.view(-1, num_generations).nan_to_num().std(1) == 0).double().mean().item(),
              len_mean=lengths.mean().item(), len_max=lengths.max().item(), truncated=truncated.mean().item(),
              dropped_groups=info['dropped_groups'], bad_steps=bad,
              rollout_tok_s=lengths.sum().item() / info['time']['generate'],
              train_tok_s=B * T * num_iterations * world_size / (t2 - t1), mfu=flops / (t2 - t1) / peak, dt=t2 - t0,
              mem_mb=max(mem_rollout, mem_train), **stats)
+    m.update({f'reward/{f.__name__}': scores[:, j].nanmean().item() for j, f in enumerate(reward_fns)})
     for k, v in info['time'].items():  # seconds per phase; 'comm' has parts in both
         m[f'time/{k}'] = v + times.pop(k, 0.0)
     m.update({f'time/{k}': v for k, v in times.items()})
-    log(m, f"iter {it}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f} | flat "
+    others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in reward_fns[1:])  # e.g. the format
+    log(m, f"iter {it}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}{others} | flat "
            f"{m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl "
            f"{m['kl']:.4f} | clip {m['clip_ratio/region']:.3f} | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} | "
            f"rollout {m['rollout_tok_s']:.0f} tok/s | train {m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | "

@@ -119,3 +119,5 @@ def test_qwen_recipes_on_a_tiny_qwen(recipe, tmp_path):
                ["--task_options={'count': (3,)}"]), out)
     rows = [m for m in metrics(out) if 'reward' in m]
     assert [m['iter'] for m in rows] == [0, 1] and 'eval 2: greedy acc' in p.stdout
+    fns = ('numeric_match', 'boxed') if 'gsm8k' in recipe else ('countdown_reward', 'boxed')  # accuracy, then format
+    assert all(f'reward/{f}' in m for f in fns for m in rows) and '| boxed ' in p.stdout
