@@ -5,6 +5,7 @@ Checkpoints that survive SIGKILL at any moment.
     out_dir/ckpt-000040/      model.safetensors + config.json (Hugging Face layout: load it with the usual tools)
                               optimizer.safetensors (AdamW moments), trainer.json (iteration, step, config)
                               ref/ (the frozen reference model, only when beta > 0)
+                              tokenizer.json, generation_config.json... (a checkpoint's tokenizer's, when used)
 
 A checkpoint is written into a temporary directory, every file fsync'd, the directory renamed into place, and only
 then `latest` is switched to it (write + fsync + rename, atomic on POSIX). A kill before the switch leaves the previous
@@ -49,12 +50,22 @@ def read_json(path):
         raise ValueError(f"{path} is not valid JSON ({e}); delete it or restore it from a backup") from None
 
 
-def save(out_dir, it, model, optimizer, ref_model, trainer_state):
-    """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then."""
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'generation_config.json',
+                   'vocab.json', 'merges.txt')  # what transformers and vLLM read beside the weights
+
+
+def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None):
+    """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then. With
+    tokenizer_dir, its tokenizer files are copied in too, so the checkpoint is a whole Hugging Face model directory."""
     name = f"ckpt-{it:06d}"
     final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed mid-write
     model.save_pretrained(tmp)
+    for file in TOKENIZER_FILES if tokenizer_dir else ():
+        if os.path.isfile(os.path.join(tokenizer_dir, file)):
+            shutil.copyfile(os.path.join(tokenizer_dir, file), os.path.join(tmp, file))
+            with open(os.path.join(tmp, file), 'rb') as f:
+                os.fsync(f.fileno())
     if ref_model is not None:
         ref_model.save_pretrained(os.path.join(tmp, 'ref'))
     sd = optimizer.state_dict()

@@ -158,7 +158,9 @@ torch.backends.cudnn.allow_tf32 = True
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
 check_template(enc, chat_template)
-cfg.eos_ids = stop_ids(enc, chat_template, tokenizer if os.path.exists(tokenizer) else None)
+tokenizer_dir = (tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)) if os.path.exists(tokenizer) \
+    else None  # a checkpoint's tokenizer: its files go into our checkpoints too
+cfg.eos_ids = stop_ids(enc, chat_template, tokenizer_dir)
 train_rows = load_dataset(task, 'train', seed=seed, **task_options)
 test_rows = load_dataset(test_task or task, 'test', seed=seed, size=eval_size, **task_options)
 names, weights = (reward_funcs, reward_weights or (1.0,) * len(reward_funcs)) if reward_funcs else \
@@ -216,8 +218,9 @@ def all_sum(x):
 
 def warm_start():
     """Supervised cold start on the train answers, cached in out_dir/warmstart (reused while its config matches)."""
-    keys = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'vocab_size', 'n_layer', 'n_head', 'n_embd',
-            'block_size', 'bias', 'sft_iters', 'sft_batch_size', 'sft_learning_rate', 'seed')
+    keys = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'vocab_size',
+            'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size', 'sft_learning_rate',
+            'seed')
     spec = {k: config[k] for k in keys}
     path = os.path.join(out_dir, 'warmstart')
     if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:
@@ -334,7 +337,7 @@ def save(it):
                            f"not saving. This is a bug or a hardware fault; resume from the last checkpoint")
     if master:
         checkpoint.save(out_dir, it, raw_model, optimizer, ref_model,
-                        dict(step=step, bad_in_row=bad_in_row, config=config))
+                        dict(step=step, bad_in_row=bad_in_row, config=config), tokenizer_dir)
     if ddp:
         dist.barrier()
 

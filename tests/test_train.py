@@ -101,6 +101,8 @@ def test_chat_run_with_the_checkpoints_tokenizer(tmp_path):
     p = run(['config/dr_grpo.py', '--max_iters=2', f"--init_from={fixtures}/tiny-qwen2-a", '--block_size=32',
              f"--tokenizer={fixtures}/tiny-bpe-a", '--chat_template=chatml', "--system_prompt='Add.'"], out)
     assert [m['iter'] for m in metrics(out) if 'reward' in m] == [0, 1] and 'eval 2' in p.stdout
+    ckpt = os.path.join(out, json.load(open(out / 'latest')))  # a whole HF model directory: weights and tokenizer
+    assert open(os.path.join(ckpt, 'tokenizer.json')).read() == open(f'{fixtures}/tiny-bpe-a/tokenizer.json').read()
 
 
 @pytest.mark.parametrize('recipe', [f for f in REAL if f.startswith('qwen')])
