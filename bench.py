@@ -33,7 +33,8 @@ from contextlib import nullcontext
 import torch
 
 from loss import grpo_loss
-from model import GPT, GPTConfig, sample
+from model import GPT, GPTConfig
+from sampling import sample
 
 DEFAULT = dict(n_layer=6, n_head=6, n_embd=384, vocab_size=50304)  # a 30M GPT-2: the shape without --preset
 # the GPTConfig fields of real models (their config.json); the Llama family has no biases but Qwen2's q/k/v ones

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import hf
+from sampling import sample
 
 class RMSNorm(nn.Module):
 
@@ -412,51 +413,3 @@ class HeadLogprobs(torch.autograd.Function):
             else:  # autocast: the product in its dtype, as an autocast Linear's weight gradient, summed in float32
                 grad_w += d.t() @ hc.to(dtype)
         return grad_h, grad_w, None, None, None, None
-
-# -----------------------------------------------------------------------------
-# sampling
-
-def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
-    """Draw one token per row of logits (B, V) from softmax(logits / temperature), restricted to the top_k most
-    likely tokens and then to the smallest set of them holding top_p of their mass, and return (tokens (B,) long,
-    log-probs (B,) float32). The log-prob is under the full temperature softmax, not the restricted one: the
-    policy's own probability, as logprobs() computes it. temperature=0 is greedy (log-probs at temperature 1).
-    top_p without top_k sorts the whole vocabulary, which is slow on CPU; a top_k as well keeps it cheap.
-    u (B, 2): the two uniforms in [0, 1) each row's draw uses; by default from torch's global generator."""
-    x = logits.float()
-    u = torch.rand(x.size(0), 2, device=x.device) if u is None else u
-    if temperature not in (0, 1):
-        x = x / temperature
-    p = torch.softmax(x, -1)  # (B, V) one fused pass; an exp of its own is several times slower on CPU
-    if temperature == 0:
-        tok = x.argmax(-1, keepdim=True)
-    elif top_k is None and top_p is None:
-        tok = _draw(p, u)
-    else:
-        # candidates sorted by probability, so the top_p cut is a prefix
-        w, idx = p.topk(min(top_k, p.size(-1))) if top_k is not None else p.sort(-1, descending=True)  # (B, k)
-        if top_p is not None:  # keep a token while the mass before it is < top_p of the candidates' mass
-            w = w.masked_fill(w.cumsum(-1) - w >= top_p * w.sum(-1, keepdim=True), 0.0)
-        tok = idx.gather(1, _draw(w, u))
-    return tok.squeeze(1), p.gather(1, tok).log().squeeze(1)
-
-def _draw(w, u):
-    """Exact inverse-CDF draw of one index (B, 1) per row of nonnegative weights w (B, V). A cumsum over the whole
-    vocabulary is slow (it is sequential), so draw in two levels: a block of ~sqrt(V) tokens by its mass, then a
-    token inside the block by its weight, each with its own uniform of u (B, 2): ~200x cheaper than torch.multinomial at
-    64 x 50304 on a CPU core."""
-    B, V = w.shape
-    bs = math.isqrt(V - 1) + 1  # block size
-    full = V // bs * bs
-    mass = torch.cat([w[:, :full].view(B, -1, bs).sum(-1), w[:, full:].sum(-1, keepdim=True)], 1)  # (B, nb)
-    block = _search(mass.cumsum(-1), u[:, :1])  # (B, 1)
-    cols = block * bs + torch.arange(bs, device=w.device)  # (B, bs) the block's token ids
-    inside = w.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0)  # (B, bs) the last block may be short
-    return block * bs + _search(inside.cumsum(-1), u[:, 1:])
-
-def _search(cdf, u):
-    """Index i with cdf[i-1] <= u * total < cdf[i], so entries of zero mass are never hit."""
-    total = cdf[:, -1:].contiguous()  # (B, 1)
-    i = torch.searchsorted(cdf, u * total, right=True)
-    # u * total can round up to total: then take the last entry with positive mass
-    return torch.minimum(i, torch.searchsorted(cdf, total))
