@@ -385,15 +385,16 @@ class HeadLogprobs(torch.autograd.Function):
     (V, C) gradient per chunk and sum them (1.2x slower here on Qwen's 151,936-token vocabulary)."""
 
     @staticmethod
-    def _logits(h, weight, temperature, dtype):
-        logits = (h.to(dtype) @ weight.to(dtype).t()).float()  # (n, V) float32 even under autocast: the normaliser
+    def _logits(h, w, temperature):  # w: the weight already in the matmuls' dtype, cast once per pass
+        logits = (h.to(w.dtype) @ w.t()).float()  # (n, V) float32 even under autocast: the normaliser needs it
         return logits / temperature if temperature != 1 else logits
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, rows, dtype):
         ctx.save_for_backward(h, weight, targets)
         ctx.args = temperature, rows, dtype
-        return torch.cat([HeadLogprobs._logits(h[i:i + rows], weight, temperature, dtype).log_softmax(-1)
+        w = weight.to(dtype)
+        return torch.cat([HeadLogprobs._logits(h[i:i + rows], w, temperature).log_softmax(-1)
                           .gather(1, targets[i:i + rows, None]).squeeze(1) for i in range(0, len(h), rows)])
 
     @staticmethod
@@ -401,11 +402,12 @@ class HeadLogprobs(torch.autograd.Function):
         h, weight, targets = ctx.saved_tensors
         temperature, rows, dtype = ctx.args
         grad_h, grad_w = torch.empty_like(h), torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        w = weight.to(dtype)
         for i in range(0, len(h), rows):
             hc, g = h[i:i + rows], grad[i:i + rows, None] / temperature  # (n, C), (n, 1)
-            d = HeadLogprobs._logits(hc, weight, temperature, dtype).softmax(-1).mul_(-g)
+            d = HeadLogprobs._logits(hc, w, temperature).softmax(-1).mul_(-g)
             d = d.scatter_add_(1, targets[i:i + rows, None], g).to(dtype)  # (n, V) gradient of the chunk's logits
-            grad_h[i:i + rows] = d @ weight.to(dtype)
+            grad_h[i:i + rows] = d @ w
             if grad_w is None:
                 continue
             if dtype == grad_w.dtype:

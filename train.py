@@ -69,7 +69,7 @@ bias = True
 # supervised warm start on the task's answers (a cold start, as in DeepSeek-R1), cached in out_dir/warmstart, for
 # a new run (not a resume): GRPO learns only from groups whose rewards differ, so a policy that never gets a reward
 # learns nothing
-sft_iters = None  # None = 400 from scratch (~27% greedy accuracy on 2-digit addition, far from what RL then
+sft_iters = None  # None = 400 from scratch (~30% greedy accuracy on 2-digit addition, far from what RL then
 # reaches) and 0 from a pretrained checkpoint, which needs no warm start
 sft_batch_size = 64
 sft_learning_rate = 1e-3
@@ -218,7 +218,8 @@ def all_sum(x):
 
 def warm_start():
     """Supervised cold start on the train answers, cached in out_dir/warmstart (reused while its config matches)."""
-    keys = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'vocab_size',
+    keys = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
+            'vocab_size',
             'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size', 'sft_learning_rate',
             'seed')
     spec = {k: config[k] for k in keys}
