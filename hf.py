@@ -53,13 +53,14 @@ def read_config(path):
                          f"{', '.join(map(repr, FAMILIES))}")
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"  # transformers 5 renamed torch_dtype
     if name not in DTYPES:
-        raise ValueError(f"{file}: dtype {name!r} is not one of {', '.join(DTYPES)}")
+        raise ValueError(f"{file}: dtype {name!r} is not one of {', '.join(DTYPES)}; set dtype (or torch_dtype) to "
+                         f"the weights' own")
     return dict(fields, hf_config=hf), DTYPES[name]
 
 def _need(hf, file, *keys):
     for k in keys:
         if hf.get(k) is None:
-            raise ValueError(f"{file}: missing key {k!r}")
+            raise ValueError(f"{file}: missing key {k!r}; use the config.json that came with the weights")
 
 def _gpt2_config(hf, file):
     hf = dict(hf, n_positions=hf.get("n_positions") or hf.get("n_ctx"))  # the oldest configs name it n_ctx only
@@ -214,18 +215,20 @@ def load_weights(path, cfg, ours):
             heads.append((file, t))  # a tied output layer stored anyway: checked against the embedding below
             continue
         if name not in where:
-            raise ValueError(f"{file}: unexpected tensor {key!r}, not part of a {cfg.model_type} of its config.json")
+            raise ValueError(f"{file}: unexpected tensor {key!r}, not part of a {cfg.model_type} of its config.json; "
+                             f"use the config.json that came with these weights")
         ours_name, row, rows, transposed = where[name]
         dest = ours[ours_name].narrow(0, row, rows)
         expected = dest.t().shape if transposed else dest.shape
         if t.shape != expected:
             raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(expected)} "
-                             f"from config.json")
+                             f"from config.json; the config and the weights are of different models")
         dest.copy_(t.t() if transposed else t)
         loaded.add(name)
     missing = sorted(set(where) - loaded)
     if missing:
-        raise ValueError(f"{index or files[0]}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+        raise ValueError(f"{index or files[0]}: missing tensor {missing[0]!r} ({len(missing)} missing in all); the "
+                         f"checkpoint is incomplete: download or save it again")
     for file, head in heads:
         if not torch.equal(head.to(ours["lm_head.weight"].dtype), ours["lm_head.weight"]):
             raise ValueError(f"{file}: lm_head.weight differs from the token embedding, but config.json ties them "
