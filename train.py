@@ -161,6 +161,12 @@ check_template(enc, chat_template)
 tokenizer_dir = (tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)) if os.path.exists(tokenizer) \
     else None  # a checkpoint's tokenizer: its files go into our checkpoints too
 cfg.eos_ids = stop_ids(enc, chat_template, tokenizer_dir)
+if wandb_log:
+    try:
+        import wandb  # optional: only when asked for
+    except ImportError:
+        raise ValueError("wandb_log=True needs the wandb package: pip install wandb (or pip install -r "
+                         "requirements-extra.txt), or drop wandb_log") from None
 train_rows = load_dataset(task, 'train', seed=seed, **task_options)
 test_rows = load_dataset(test_task or task, 'test', seed=seed, size=eval_size, **task_options)
 names, weights = (reward_funcs, reward_weights or (1.0,) * len(reward_funcs)) if reward_funcs else \
@@ -350,14 +356,13 @@ def log(metrics, line):
     with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
         f.write(json.dumps(metrics) + '\n')
     if wandb_log:
-        wandb.log(metrics)
+        wandb.log(metrics, step=metrics["iter"])  # the x-axis is the iteration, eval and train alike
 
 
 # -----------------------------------------------------------------------------
 os.makedirs(out_dir, exist_ok=True)
-if master and wandb_log:
-    import wandb  # only when asked for
-    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+if master and wandb_log:  # its files go with the run's: out_dir/wandb (WANDB_MODE=offline keeps them local)
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
 total_steps = max_iters * num_iterations * steps_per_generation
 optimizer = make_optimizer(learning_rate)
 iter_start, step, bad_in_row = 0, 0, 0
@@ -428,5 +433,7 @@ for it in range(iter_start, max_iters + 1):
            f"rollout {m['rollout_tok_s']:.0f} tok/s | train {m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | "
            f"{m['dt']:.2f}s" + (f" | {bad} non-finite step(s) skipped" if bad else ""))
 
+if master and wandb_log:
+    wandb.finish()
 if ddp:
     dist.destroy_process_group()
