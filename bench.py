@@ -26,13 +26,13 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 
 import torch
 
 from loss import grpo_loss
+from measure import matmul_peak, memory_mb, timed, timed_rounds
 from model import GPT, GPTConfig
 from sampling import sample
 
@@ -79,29 +79,6 @@ def get_args(argv=None):
 # -----------------------------------------------------------------------------
 # shared helpers
 
-def sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-def timed(fn, device, repeat, warmup=1):
-    """Best wall-clock seconds of fn() over `repeat` runs, after `warmup` untimed ones."""
-    return timed_rounds([fn], device, repeat, warmup)[0]
-
-def timed_rounds(fns, device, repeat, warmup=1):
-    """Best seconds of each of fns, timed in turn, `repeat` rounds: numbers meant to be compared, e.g. as a ratio,
-    then see the same slow spells of a shared machine."""
-    for fn in fns * warmup:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(repeat):
-        for i, fn in enumerate(fns):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
-
 def autocast(args):
     return nullcontext() if args.dtype == "float32" else torch.autocast(args.device.split(":")[0], torch.bfloat16)
 
@@ -129,12 +106,6 @@ def decode_flops(model, args, prompt_len, steps):
     rows = args.prompts * args.G
     return sum(rows * model.flops_per_token(prompt_len + t, backward=False) for t in range(1, steps))
 
-def update_flops(model, rows, T, C):
-    """Model FLOPs of a training step over `rows` sequences of T tokens whose last C are the completion: the body
-    runs over all T positions, the output layer only over the C completion positions (train.py's MFU uses it too)."""
-    head = 6 * model.config.vocab_size * model.config.n_embd  # the output layer's share of flops_per_token
-    return rows * (T * (model.flops_per_token(T) - head) + C * head)
-
 def grpo_batch(args):
     """A GRPO-shaped batch of random tokens: idx (rows, prompt_len + new_tokens) and each row's prompt length."""
     rows, P = args.prompts * args.G, args.prompt_len
@@ -145,19 +116,6 @@ def in_fresh_process(fn, *fn_args):
     """fn(*fn_args) in a new process: the CPU memory high-water mark (ru_maxrss) is per process and never goes down."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *fn_args).result()
-
-def memory_mb(device):
-    """CUDA: the peak allocated since the last call. CPU: the resident memory now (peak where /proc is missing).
-    train.py logs it as mem_mb."""
-    if torch.device(device).type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak / 2**20
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 def timed_peak(fn, args):
     """(best seconds of fn(), its peak memory in bytes above what is held before the first call): allocated bytes on
@@ -187,17 +145,8 @@ def run_train(args, out_dir, env=None, **overrides):
 # -----------------------------------------------------------------------------
 # sections
 
-def matmul_peak(device, repeat=5):
-    """The machine's own matmul throughput in FLOP/s (a big square matmul, float32 on CPU, bf16 on CUDA), and what
-    was measured. train.py measures MFU against it too."""
-    cuda = device.startswith("cuda")
-    n, dtype = (8192, torch.bfloat16) if cuda else (2048, torch.float32)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    seconds = timed(lambda: a @ b, device, repeat=repeat)
-    return 2 * n**3 / seconds, f"{n}x{n} {dtype}".replace("torch.", "")
-
 def bench_matmul_peak(args, model, results):
-    flops, what = matmul_peak(args.device, max(args.repeat, 5))
+    flops, what = matmul_peak(args.device, getattr(torch, args.dtype), max(args.repeat, 5))
     results["peak"] = dict(matmul=what, tflops=flops / 1e12)
 
 def naive_generate(model, args, prompts, steps):
@@ -361,7 +310,7 @@ def bench_train_step(args, model, results):
     results["train_step"] = dict(
         rows=rows, micro_batch_size=min(args.micro_batch_size, rows), step_ms=seconds * 1e3,
         tokens_per_s=rows * T / seconds,
-        mfu=update_flops(model, rows, T, args.new_tokens) / seconds / (results["peak"]["tflops"] * 1e12),
+        mfu=model.update_flops(rows, T, args.new_tokens) / seconds / (results["peak"]["tflops"] * 1e12),
         peak_mb=peak / 2**20)
 
 PHASES = ("generate", "reward", "logprobs", "backward", "optimizer", "comm")  # train.py's time/ metrics

@@ -15,6 +15,8 @@ import difflib
 import math
 import os
 
+import torch
+
 # the values a config may hold; anything else in train.py's globals (modules, functions) is not config
 CONFIG_TYPES = (bool, int, float, str, tuple, dict, type(None))
 
@@ -90,31 +92,37 @@ def check_config(c, world_size):
                    dtype=('float32', 'float64', 'bfloat16', 'float16'))
     for key, valid in choices.items():
         need(c[key] in valid, f"unknown {key} '{c[key]}'; choose one of {', '.join(valid)}")
+    # counts and rates that have a range; each message names its key and value
+    at_least = dict(num_generations=2, prompts_per_step=1, steps_per_generation=1, micro_batch_size=1,
+                    num_iterations=1, max_completion_length=1, max_iters=0, eval_interval=0, eval_size=1,
+                    save_interval=0, sft_batch_size=1, max_resample_rounds=0, warmup_iters=0, ref_sync_every=0,
+                    max_bad_steps=1, n_layer=1, n_head=1, n_embd=1, block_size=2, vocab_size=0, beta=0,
+                    epsilon_low=0, epsilon_high=0, grad_clip=0, weight_decay=0, peak_flops=0)
+    why = dict(num_generations="; GRPO learns from differences between the completions of one prompt",
+               eval_size="; eval_interval=0 turns evaluation off")
+    for key, low in at_least.items():
+        need(c[key] >= low, f"{key}={c[key]} must be >= {low}{why.get(key, '')}")
+    need(c['sft_iters'] is None or c['sft_iters'] >= 0, f"sft_iters={c['sft_iters']} must be None or >= 0")
+    for key in ('beta1', 'beta2', 'dropout'):
+        need(0 <= c[key] < 1, f"{key}={c[key]} must be in [0, 1)")
+    need(0 <= c['min_lr_ratio'] <= 1, f"min_lr_ratio={c['min_lr_ratio']} must be in [0, 1]")
     G, P = c['num_generations'], c['prompts_per_step']
-    need(G >= 1 and P >= 1, "num_generations and prompts_per_step must be >= 1")
-    need(G >= 2 or c['scale_rewards'] == 'none',
-         f"num_generations={G} leaves no group to compare; use num_generations >= 2 (GRPO needs a group)")
     need(P % world_size == 0, f"prompts_per_step={P} is not divisible by the {world_size} ranks; "
                               f"make it a multiple of {world_size}")
     rows = P // world_size * G  # completions each rank holds per rollout
     spg, mbs = c['steps_per_generation'], c['micro_batch_size']
-    need(spg >= 1 and mbs >= 1 and c['num_iterations'] >= 1,
-         "steps_per_generation, micro_batch_size and num_iterations must be >= 1")
     need(rows % (spg * mbs) == 0,
          f"each rank holds prompts_per_step/ranks*num_generations = {rows} completions per rollout, which must split "
          f"into steps_per_generation={spg} optimizer steps of micro_batch_size={mbs}; "
          f"pick micro_batch_size dividing {rows // spg if rows % spg == 0 else rows}")
-    need(c['beta'] >= 0, f"beta={c['beta']} must be >= 0")
     need(not (c['kl_in_reward'] and c['beta'] == 0), "kl_in_reward=True needs beta > 0 (the KL coefficient)")
-    need(c['epsilon_low'] >= 0 and c['epsilon_high'] >= 0, "epsilon_low and epsilon_high must be >= 0")
     need(c['delta'] is None or c['delta'] > 1 + c['epsilon_high'],
          f"delta={c['delta']} must be None or > 1 + epsilon_high (it caps the ratio above the clip range)")
     need(c['temperature'] > 0, f"temperature={c['temperature']} must be > 0 for RL sampling (log-probs divide by it)")
     need(c['top_k'] is None or isinstance(c['top_k'], int) and c['top_k'] > 0, "top_k must be None or an int > 0")
     need(c['top_p'] is None or 0 < c['top_p'] <= 1, "top_p must be None or in (0, 1]")
-    need(c['max_completion_length'] >= 1, "max_completion_length must be >= 1")
-    need(c['max_iters'] >= 0 and c['learning_rate'] > 0 and math.isfinite(c['learning_rate']),
-         "max_iters must be >= 0 and learning_rate a positive number")
+    need(c['learning_rate'] > 0 and math.isfinite(c['learning_rate']),
+         f"learning_rate={c['learning_rate']} must be a positive number")
     need(c['init_from'] in ('scratch', 'resume') or os.path.isdir(c['init_from']),
          f"init_from='{c['init_from']}' is neither 'scratch', 'resume' nor a Hugging Face checkpoint directory")
     need(c['init_from'] != 'resume' or os.path.exists(os.path.join(c['out_dir'], 'latest')),
@@ -122,3 +130,13 @@ def check_config(c, world_size):
     need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] != 0,  # None: 400 from scratch
          "beta > 0 needs a reference policy worth staying close to, but init_from='scratch' with sft_iters=0 "
          "starts from random weights; set sft_iters > 0, init_from a checkpoint directory, or beta=0")
+
+
+def check_device(device):
+    """One line naming the devices this machine has, rather than torch's traceback at the first tensor moved."""
+    here = ['cpu'] + [f'cuda:{i}' for i in range(torch.cuda.device_count())] + \
+        (['mps'] if torch.backends.mps.is_available() else [])
+    if device not in ('auto', *here) and not (device == 'cuda' and torch.cuda.is_available()):
+        why = ' (this torch is built without CUDA)' if device.startswith('cuda') and torch.version.cuda is None else ''
+        raise ValueError(f"device='{device}' is not on this machine{why}; it has {', '.join(here)}: use one of "
+                         f"those or device='auto'")

@@ -39,8 +39,8 @@ def split_of(prompt):
 # should be about how many distinct ones there are: _task_rows' size check trusts it. Options are positive
 # integers, or tuples of them where the default is a tuple. To add a task, add it to TASKS.
 
-def addition(digits=3):
-    """'47+385=' -> '432': the sum of two numbers below 10**digits, and nothing else, so a tiny model can learn it."""
+def addition(digits=2):
+    """'47+38=' -> '85': the sum of two numbers below 10**digits, and nothing else, so a tiny model can learn it."""
     n = 10 ** digits
     def problem(i):
         a, b = divmod(i, n)
@@ -99,12 +99,13 @@ def _task_rows(name, split, seed, size, options):
     known = inspect.signature(TASKS[name]).parameters
     for key, value in options.items():
         if key not in known:
-            raise ValueError(f"task {name!r} has no option {key!r}; its options are: {', '.join(known)}")
+            raise ValueError(f"task {name!r} has no option {key!r} (task_options); its options are: "
+                             f"{', '.join(known)}")
         many = isinstance(known[key].default, tuple)
         values = tuple(value) if many and isinstance(value, (tuple, list)) else (value,)  # count=3 is count=(3,)
         if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
             kind = "a positive integer or a tuple of them" if many else "a positive integer"
-            raise ValueError(f"task option {key} must be {kind}, got {value!r}")
+            raise ValueError(f"task_options[{key!r}] of task {name!r} must be {kind}, got {value!r}")
         options[key] = values if many else value
     count, problem = TASKS[name](**options)
     rng = random.Random(seed)
@@ -113,7 +114,7 @@ def _task_rows(name, split, seed, size, options):
         order = rng.sample(range(count), count)  # small space: shuffle all of it, so `size` caps at what there is
     elif size > count * share // 200:  # past half of the split, draws would mostly hit problems already drawn
         raise ValueError(f"task {name!r} with {options} has about {count * share // 100} {split} problems, too few "
-                         f"to draw {size} distinct ones at random; ask for at most {count * share // 200} rows")
+                         f"to draw {size} distinct ones at random; ask for at most {count * share // 200} rows (eval_size)")
     else:
         order = (rng.randrange(count) for _ in itertools.count())  # huge space: repeats are rare, skipped below
     rows, seen = [], set()
@@ -192,7 +193,8 @@ def load_dataset(name, split="train", seed=0, size=None, **task_options):
         raise ValueError(f"size must be a positive integer or None, got {size!r}")
     if name.endswith(".jsonl"):
         if task_options:
-            raise ValueError(f"options {sorted(task_options)} apply to built-in tasks only, not to {name}")
+            raise ValueError(f"task_options {task_options} apply to built-in tasks only, not to the file {name}; "
+                             f"drop task_options")
         if "{split}" in name:
             return _read_jsonl(name.replace("{split}", split))[:size]
         rows = [row for row in _read_jsonl(name) if split_of(row["prompt"]) == split]

@@ -201,6 +201,12 @@ class GPT(nn.Module):
         forward = 2 * weights + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
         return 3 * forward if backward else forward
 
+    def update_flops(self, rows, T, C):
+        """Model FLOPs of a training step over `rows` sequences of T tokens whose last C are the completion: the
+        body runs over all T positions, the output layer only over the C completion positions (logprobs' slice)."""
+        head = 6 * self.config.vocab_size * self.config.n_embd  # the output layer's share of flops_per_token
+        return rows * (T * (self.flops_per_token(T) - head) + C * head)
+
     def _hidden(self, idx, pos=None, kv=None, col=0, key_mask=None):
         """Final hidden states (B, T, C) of idx (B, T); pos, kv, col and key_mask are generate()'s cache plumbing."""
         T = idx.size(1)

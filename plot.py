@@ -1,5 +1,6 @@
 """
-Reward and accuracy curves from a run's metrics.jsonl (needs matplotlib, which training does not).
+Reward and accuracy curves from a run's metrics.jsonl (needs matplotlib, which training does not: it is in
+requirements-extra.txt).
 
 $ python plot.py out-dr_grpo               # writes out-dr_grpo/curves.png
 $ python plot.py out-dr_grpo out-grpo      # several runs on the same axes, one colour each
@@ -24,7 +25,7 @@ def main(out_dirs):
         matplotlib.use('Agg')  # files only, no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        sys.exit("error: plot.py needs matplotlib; pip install matplotlib")
+        sys.exit("error: plot.py needs matplotlib: pip install matplotlib (or pip install -r requirements-extra.txt)")
     fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
     for color, out_dir in zip(plt.rcParams['axes.prop_cycle'].by_key()['color'], out_dirs):
         train, evals = read(out_dir)

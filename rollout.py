@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from loss import group_advantages, kl_divergence
+from measure import lap
 from reward import compute_rewards
 from tokenizer import render_chat
 
@@ -31,16 +32,6 @@ def prompt_seed(*key):
     """A 63-bit seed from a tuple of ints, e.g. (seed, iteration, prompt id): python's hash of ints and tuples of
     ints is the same in every process and run (only str hashes are randomised)."""
     return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def lap(times, key, since, device):
-    """Add the wall time since `since` to times[key] (after the device's queued work: CUDA is asynchronous), and
-    return now, the start of the next phase."""
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    now = time.perf_counter()
-    times[key] = times.get(key, 0.0) + now - since
-    return now
 
 
 def gather(t):
@@ -122,6 +113,13 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
     return rewards, torch.tensor(truncated), completions, per_fn
 
 
+def is_flat(rewards, G):
+    """(N,) rewards -> (N / G,) bool: the groups whose rewards are all equal (NaN, not applicable, as 0). Their
+    advantages are zero, so they teach nothing; a group of one is always flat."""
+    r = rewards.nan_to_num(0.0).view(-1, G)  # (groups, G)
+    return r.amax(1) == r.amin(1)
+
+
 def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
     """
     Rollouts of this rank's prompts of iteration `it` (step_rows; dynamic sampling adds extra_rows). Returns
@@ -147,7 +145,7 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
             kept = groups
             break
         # DAPO dynamic sampling: a group whose rewards are all equal has zero advantage and teaches nothing
-        flat = [torch.nan_to_num(g['rewards'], nan=0.0).unique().numel() == 1 for g in groups]
+        flat = is_flat(rewards, G).tolist()
         dropped += sum(flat)
         kept += [g for g, f in zip(groups, flat) if not f]
         want = cfg.prompts_per_step // cfg.world_size

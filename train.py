@@ -18,6 +18,8 @@ split: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameter
 import json
 import math
 import os
+import shlex
+import signal
 import sys
 import time
 from types import SimpleNamespace
@@ -27,29 +29,30 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
-from bench import matmul_peak, memory_mb, update_flops
-from configurator import check_config, configure
+from configurator import check_config, check_device, configure
 from data import default_reward, load_dataset
 from loss import grpo_loss
+from measure import lap, matmul_peak, memory_mb
 from model import GPT, GPTConfig
 from tokenizer import check_template, get_tokenizer, stop_ids
 from reward import get_reward_fns, pass_at_k
-from rollout import encode_prompt, gather, lap, pack, prompt_seed, rollout, sample, score
+from rollout import encode_prompt, gather, is_flat, pack, prompt_seed, rollout, sample, score
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
 # I/O
 out_dir = 'out'
 eval_interval = 100  # iterations between held-out evaluations (also at the start and the end); 0 = none
-eval_size = 500  # held-out prompts for greedy accuracy and pass@k
-save_interval = 100  # iterations between checkpoints (also at the end)
+eval_size = 500  # held-out prompts for greedy accuracy and pass@k, sampled prompts_per_step at a time
+save_interval = 100  # iterations between checkpoints (also at the end and when stopped by a signal); 0 = those only
+progress_interval = 10.0  # seconds between progress lines of a long warm start or evaluation
 init_from = 'scratch'  # 'scratch', 'resume' (from out_dir) or a Hugging Face directory (GPT-2, Llama, Qwen2, Qwen3)
 wandb_log = False  # disabled by default
 wandb_project = 'nanogrpo'
 wandb_run_name = 'grpo'
 # data
 task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "answer"} rows
-task_options = {'digits': 2}  # a built-in task's options (see data.py)
+task_options = {}  # a built-in task's options (see data.py); {} = its defaults (addition: 2 digits)
 test_task = ''  # held-out data: '' = the task's own test split
 tokenizer = ''  # 'bytes' (257 tokens, built here), 'gpt2' (tiktoken's), a tokenizer.json or its directory;
 # '' = the init_from directory's own if it has one, else 'bytes'
@@ -126,6 +129,7 @@ def _user_error(kind, value, tb):  # bad input is one line, a bug keeps its trac
 sys.excepthook = _user_error
 config = configure(globals(), sys.argv[1:])
 globals().update(config)
+check_device(device)
 # -----------------------------------------------------------------------------
 
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -140,6 +144,21 @@ else:
     rank, world_size = 0, 1
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
+# preemption: SIGTERM (what SLURM and Kubernetes send before a kill) or Ctrl-C asks for a checkpoint at the next
+# iteration boundary (stop_if_signalled); a second signal exits at once, leaving the last checkpoint as it is
+# (checkpoint.py's writes are atomic). A repeat within a second is the same request delivered twice: the terminal
+# sends Ctrl-C to every process and torchrun forwards what it gets to its workers.
+stop_signal, stop_time = 0, 0.0
+
+
+def on_signal(signum, frame):
+    global stop_signal, stop_time
+    if stop_signal and time.time() - stop_time > 1.0:
+        os._exit(128 + signum)
+    if not stop_signal:
+        stop_signal, stop_time = signum, time.time()
+signal.signal(signal.SIGTERM, on_signal)
+signal.signal(signal.SIGINT, on_signal)
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 master = rank == 0
 if sft_iters is None:
@@ -234,6 +253,7 @@ def warm_start():
         raw_model.load_state_dict(GPT.from_pretrained(path, dtype=param_dtype).state_dict())
         return 'loaded'
     opt = make_optimizer(sft_learning_rate)
+    tick = ticker('warm start', sft_iters, 'steps')
     for i in range(sft_iters):
         g = torch.Generator().manual_seed(prompt_seed(seed, -2, i))
         picks = torch.randint(len(train_rows), (sft_batch_size,), generator=g).tolist()
@@ -250,6 +270,7 @@ def warm_start():
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        tick(i + 1, f", loss {loss.item():.3f}")
     if master:
         raw_model.save_pretrained(path)
         checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
@@ -257,22 +278,48 @@ def warm_start():
 
 
 @torch.no_grad()
-def evaluate():
-    """Held-out greedy accuracy and unbiased pass@k (k = 1, 2, 4.. up to G), with a few completions."""
+def evaluate(it):
+    """Held-out greedy accuracy and unbiased pass@k (k = 1, 2, 4.. up to G), with a few completions. The prompts go
+    through the sampler prompts_per_step at a time, the rollout's own batch, which is what fits in memory."""
     rows = test_rows[rank::world_size]
     seeds = [prompt_seed(seed, -1, j) for j in range(rank, len(test_rows), world_size)]  # the same draws every eval
-    _, tokens, mask, _ = sample(raw_model, rows, seeds, cfg, enc, temperature=0.0, num_samples=1)
-    correct, _, texts, _ = score(rows, tokens, mask, cfg, enc, reward_fns[:1], [1.0], num_samples=1)
-    greedy = all_sum(torch.tensor([(correct >= 1).sum().item(), len(rows)], dtype=torch.float64))
-    G = num_generations
-    _, tokens, mask, _ = sample(raw_model, rows, seeds, cfg, enc)
-    correct, _, _, _ = score(rows, tokens, mask, cfg, enc, reward_fns[:1], [1.0])
-    c = (correct >= 1).view(-1, G).sum(1).tolist()
+    per, G, greedy, c, texts = max(1, prompts_per_step // world_size), num_generations, 0, [], []
+    tick = ticker(f"eval {it}", len(rows), 'prompts')
+    for i in range(0, len(rows), per):
+        part, part_seeds = rows[i:i + per], seeds[i:i + per]
+        _, tokens, mask, _ = sample(raw_model, part, part_seeds, cfg, enc, temperature=0.0, num_samples=1)
+        correct, _, done, _ = score(part, tokens, mask, cfg, enc, reward_fns[:1], [1.0], num_samples=1)
+        greedy, texts = greedy + (correct >= 1).sum().item(), texts + done[:3 - len(texts)]
+        _, tokens, mask, _ = sample(raw_model, part, part_seeds, cfg, enc)
+        correct, _, _, _ = score(part, tokens, mask, cfg, enc, reward_fns[:1], [1.0])
+        c += (correct >= 1).view(-1, G).sum(1).tolist()
+        tick(i + len(part))
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= G] + ([G] if G & (G - 1) else [])
-    passk = all_sum(torch.tensor([sum(pass_at_k(G, ci, k) for ci in c) for k in ks], dtype=torch.float64))
-    out = {'eval/greedy_acc': greedy[0].item() / greedy[1].item()}
-    out.update({f'eval/pass@{k}': v / greedy[1].item() for k, v in zip(ks, passk.tolist())})
-    return out, list(zip([r['prompt'] for r in rows], texts))[:3]
+    sums = all_sum(torch.tensor([greedy, len(rows)] + [sum(pass_at_k(G, ci, k) for ci in c) for k in ks],
+                                dtype=torch.float64)).tolist()
+    out = {'eval/greedy_acc': sums[0] / sums[1]}
+    out.update({f'eval/pass@{k}': v / sums[1] for k, v in zip(ks, sums[2:])})
+    return out, list(zip([r['prompt'] for r in rows], texts))
+
+
+def hms(seconds):
+    return time.strftime('%H:%M:%S', time.gmtime(seconds)) if seconds >= 3600 else \
+        f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
+
+
+def ticker(what, total, unit):
+    """A progress line for a long phase (warm start, evaluation): `what: done/total unit (elapsed, eta)`, printed by
+    the master at most every progress_interval seconds, so short phases stay quiet."""
+    t0 = last = time.time()
+
+    def tick(done, extra=''):
+        nonlocal last
+        now = time.time()
+        if master and now - last >= progress_interval and done < total:
+            print(f"{what}: {done}/{total} {unit}{extra} ({hms(now - t0)}, eta {hms((now - t0) / done * (total - done))})",
+                  flush=True)
+            last = now
+    return tick
 
 
 def get_lr(step, total):
@@ -349,6 +396,33 @@ def save(it):
         dist.barrier()
 
 
+def stop_if_signalled(it):
+    """At an iteration boundary, where the weights are the state before iteration `it`: if any rank got a signal,
+    all of them save that state, print how to resume, and exit with 128 + the signal's number. A rollout in
+    progress is dropped (resume samples it again, identically); an update in progress is finished first."""
+    sig = torch.tensor(stop_signal)
+    if ddp:  # every rank reaches this line, so they all see the same decision
+        dist.all_reduce(sig, op=dist.ReduceOp.MAX)
+    if not sig.item():
+        return
+    if bad_in_row == 0 and it != saved_it:
+        save(it)
+    if master:
+        args = [a for a in sys.argv[1:] if not a.startswith('--init_from=')] + ['--init_from=resume']
+        local = int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
+        launcher = ['python'] if not ddp else ['torchrun', '--standalone', f'--nproc_per_node={world_size}'] \
+            if local == world_size else ['torchrun', '<this run\'s torchrun options>']
+        where = checkpoint.read_json(os.path.join(out_dir, 'latest'))
+        print(f"stopped by {signal.Signals(sig.item()).name} before iteration {it}: " + (
+            f"{out_dir}/{where} holds the run; resume with:\n{shlex.join(launcher + [sys.argv[0]] + args)}" if where
+            else "no checkpoint to resume from (the first steps were non-finite)"), flush=True)
+    if master and wandb_log:
+        wandb.finish()
+    if ddp:
+        dist.destroy_process_group()
+    raise SystemExit(128 + sig.item())
+
+
 def log(metrics, line):
     if not master:
         return
@@ -365,9 +439,10 @@ if master and wandb_log:  # its files go with the run's: out_dir/wandb (WANDB_MO
     wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
 total_steps = max_iters * num_iterations * steps_per_generation
 optimizer = make_optimizer(learning_rate)
-iter_start, step, bad_in_row = 0, 0, 0
+iter_start, step, bad_in_row, saved_it = 0, 0, 0, None
 if init_from == 'resume':
     iter_start, step, bad_in_row = state['iter'], state['step'], state['bad_in_row']
+    saved_it = iter_start
     checkpoint.load_optimizer(state['dir'], optimizer)
 elif sft_iters > 0:
     t = time.time()
@@ -380,28 +455,34 @@ if beta > 0:  # the reference is the policy RL starts from, frozen (refreshed ev
     ref_model = GPT(raw_model.config).to(device, param_dtype).eval().requires_grad_(False)
     ref_model.load_state_dict(raw_model.state_dict() if init_from != 'resume' else
                               GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict())
-peak = peak_flops or matmul_peak(device)[0]
+peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]  # in the dtype the update computes in
 if master:
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
           f"{prompts_per_step}x{num_generations} completions per iteration", flush=True)
 
+t_loop = time.time()
 for it in range(iter_start, max_iters + 1):
+    if it < max_iters:
+        stop_if_signalled(it)
     if eval_interval and (it % eval_interval == 0 or it == max_iters):
-        metrics, samples = evaluate()
+        metrics, samples = evaluate(it)
         log(dict(metrics, iter=it), f"eval {it}: greedy acc {metrics['eval/greedy_acc']:.3f} | " +
             " | ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k))
         for prompt, completion in samples if master else ():
             print(f"    {prompt!r} -> {completion!r}")
-    if it > iter_start and (it % save_interval == 0 or it == max_iters) and bad_in_row == 0:
+    if it > iter_start and (save_interval and it % save_interval == 0 or it == max_iters) and bad_in_row == 0:
         save(it)  # never right after a skipped step: the latest checkpoint is always a good one
+        saved_it = it
     if it == max_iters:
         break
+    stop_if_signalled(it)  # an evaluation can take a while
     if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:
         ref_model.load_state_dict(raw_model.state_dict())
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout's randomness follows the iteration: resume is exact
     t0 = time.perf_counter()
     batch, info = rollout(raw_model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights)
     mem_rollout, t1 = memory_mb(device), time.perf_counter()
+    stop_if_signalled(it)  # the rollout is the long part; resume redoes it exactly
     stats, step, bad, times = policy_update(batch, optimizer, step, total_steps)
     mem_train, t2 = memory_mb(device), time.perf_counter()
     bad_in_row = bad_in_row + bad if bad else 0
@@ -413,10 +494,10 @@ for it in range(iter_start, max_iters + 1):
     rewards, scores, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
                                            for k in ('rewards', 'scores', 'lengths', 'truncated'))
     B, T = batch['idx'].shape
-    flops = update_flops(raw_model, B * num_iterations, T, max_completion_length)  # this rank's, in the update
+    flops = raw_model.update_flops(B * num_iterations, T, max_completion_length)  # this rank's, in the update
     m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(),
              acc=(scores[:, 0].nan_to_num() >= 1).double().mean().item(),
-             flat_groups=(rewards.view(-1, num_generations).nan_to_num().std(1) == 0).double().mean().item(),
+             flat_groups=is_flat(rewards, num_generations).double().mean().item(),
              len_mean=lengths.mean().item(), len_max=lengths.max().item(), truncated=truncated.mean().item(),
              dropped_groups=info['dropped_groups'], bad_steps=bad,
              rollout_tok_s=lengths.sum().item() / info['time']['generate'],
@@ -427,11 +508,12 @@ for it in range(iter_start, max_iters + 1):
         m[f'time/{k}'] = v + times.pop(k, 0.0)
     m.update({f'time/{k}': v for k, v in times.items()})
     others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in reward_fns[1:])  # e.g. the format
-    log(m, f"iter {it}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}{others} | flat "
+    eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
+    log(m, f"iter {it}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}{others} | flat "
            f"{m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl "
            f"{m['kl']:.4f} | clip {m['clip_ratio/region']:.3f} | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} | "
            f"rollout {m['rollout_tok_s']:.0f} tok/s | train {m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | "
-           f"{m['dt']:.2f}s" + (f" | {bad} non-finite step(s) skipped" if bad else ""))
+           f"{m['dt']:.2f}s | eta {hms(eta)}" + (f" | {bad} non-finite step(s) skipped" if bad else ""))
 
 if master and wandb_log:
     wandb.finish()

@@ -74,7 +74,7 @@ def test_bad_config_files(tmp_path):
 @pytest.mark.parametrize('overrides, world, message', [
     (dict(loss_type='ppo'), 1, "unknown loss_type 'ppo'; choose one of grpo, bnpo, dr_grpo, dapo, luspo"),
     (dict(surrogate='clipped'), 1, "unknown surrogate 'clipped'"),
-    (dict(num_generations=1, scale_rewards='group'), 1, "num_generations=1 leaves no group"),
+    (dict(num_generations=1, scale_rewards='group'), 1, "num_generations=1 must be >= 2"),
     (dict(prompts_per_step=3), 2, "prompts_per_step=3 is not divisible by the 2 ranks"),
     (dict(prompts_per_step=4, num_generations=8, micro_batch_size=12), 1, "must split into steps_per_generation=1"),
     (dict(kl_in_reward=True, beta=0.0), 1, "kl_in_reward=True needs beta > 0"),

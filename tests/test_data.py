@@ -12,7 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from data import default_reward, load_dataset
+from data import default_reward, load_dataset, split_of
 from reward import compute_rewards, get_reward_fns
 from tokenizer import get_tokenizer
 
@@ -106,7 +106,12 @@ def test_splits_disjoint_and_deterministic(task, options):
     assert other != train and not {r["prompt"] for r in other} & {r["prompt"] for r in test}
 
 def test_default_sizes():
-    assert len(load_dataset("addition")) == 10000 and len(load_dataset("addition", "test")) == 500
+    assert len(load_dataset("addition", digits=3)) == 10000 and len(load_dataset("addition", "test")) == 500
+    # 2 digits by default: every one of the 10**4 problems that hashes into the train split (about 90%)
+    assert len(load_dataset("addition")) == sum(split_of(f"{a}+{b}=") == "train" for a in range(100) for b in range(100))
+
+COUNT = "task_options\\['count'\\] of task 'countdown'"
+
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(name="multiply"), "unknown dataset 'multiply'; use a built-in task \\(addition, sort, countdown\\) or a "
@@ -114,17 +119,18 @@ def test_default_sizes():
     (dict(name="addition", split="val"), "unknown split 'val'; use 'train' or 'test'"),
     (dict(name="addition", size=0), "size must be a positive integer or None, got 0"),
     (dict(name="addition", size=2.5), "size must be a positive integer or None, got 2.5"),
-    (dict(name="addition", digit=2), "task 'addition' has no option 'digit'; its options are: digits"),
-    (dict(name="sort", length=0), "task option length must be a positive integer, got 0"),
-    (dict(name="sort", digits="2"), "task option digits must be a positive integer, got '2'"),
-    (dict(name="addition", digits=(2, 3)), "task option digits must be a positive integer, got \\(2, 3\\)"),
-    (dict(name="countdown", numbers=4), "task 'countdown' has no option 'numbers'; its options are: count, "
-                                        "max_number, max_target"),
-    (dict(name="countdown", count=(3, 0)), "task option count must be a positive integer or a tuple of them, got "
-                                           "\\(3, 0\\)"),
-    (dict(name="countdown", count=()), "task option count must be a positive integer or a tuple of them, got \\(\\)"),
-    (dict(name="countdown", count="34"), "task option count must be a positive integer or a tuple of them, got '34'"),
-    (dict(name="countdown", max_number=0), "task option max_number must be a positive integer, got 0"),
+    (dict(name="addition", digit=2), "task 'addition' has no option 'digit' \\(task_options\\); its options are: digits"),
+    (dict(name="sort", length=0), "task_options\\['length'\\] of task 'sort' must be a positive integer, got 0"),
+    (dict(name="sort", digits="2"), "task_options\\['digits'\\] of task 'sort' must be a positive integer, got '2'"),
+    (dict(name="addition", digits=(2, 3)), "task_options\\['digits'\\] of task 'addition' must be a positive "
+                                           "integer, got \\(2, 3\\)"),
+    (dict(name="countdown", numbers=4), "task 'countdown' has no option 'numbers' \\(task_options\\); its "
+                                        "options are: count, max_number, max_target"),
+    (dict(name="countdown", count=(3, 0)), f"{COUNT} must be a positive integer or a tuple of them, got \\(3, 0\\)"),
+    (dict(name="countdown", count=()), f"{COUNT} must be a positive integer or a tuple of them, got \\(\\)"),
+    (dict(name="countdown", count="34"), f"{COUNT} must be a positive integer or a tuple of them, got '34'"),
+    (dict(name="countdown", max_number=0), "task_options\\['max_number'\\] of task 'countdown' must be a positive "
+                                           "integer, got 0"),
     (dict(name="countdown", max_number=200), "task 'countdown' needs max_target >= max_number, got max_target=100 "
                                              "and max_number=200"),
     (dict(name="sort", length=9, size=10**9), "task 'sort' with {'length': 9} has about 900000000 train problems, "
@@ -201,7 +207,7 @@ def test_empty_and_missing_files(tmp_path):
 
 def test_jsonl_refuses_task_options_and_empty_split(tmp_path):
     path = write(tmp_path / "one.jsonl", [json.dumps({"prompt": "only one", "answer": "1"})])
-    with pytest.raises(ValueError, match="options \\['digits'\\] apply to built-in tasks only"):
+    with pytest.raises(ValueError, match="task_options \\{'digits': 2\\} apply to built-in tasks only"):
         load_dataset(path, digits=2)
     split = "test" if load_dataset(path, "train") else "train"
     with pytest.raises(ValueError, match=f"none of its rows falls in the {split} split"):

@@ -216,6 +216,9 @@ def test_flops_per_token():
     N = V * C + L * (12 * C * C + 13 * C) + 2 * C  # tied embeddings + blocks + ln_f, without wpe
     assert model.flops_per_token(T) == 6 * N + 12 * L * C * T
     assert model.flops_per_token(T, backward=False) * 3 == model.flops_per_token(T)
+    # a training step over 5 rows whose last 16 positions are the completion: the output layer (V x C, 6 FLOPs per
+    # weight with backward) runs only on those 16, everything else on all T
+    assert model.update_flops(5, T, 16) == 5 * (T * (6 * (N - V * C) + 12 * L * C * T) + 16 * 6 * V * C)
 
 # -----------------------------------------------------------------------------
 # sampler: chi-square goodness of fit on small vocabularies

@@ -1,0 +1,70 @@
+"""
+Measuring the machine: wall time per phase, memory, and the matmul peak that MFU is a fraction of.
+
+train.py logs with these and bench.py builds its numbers on them; the model and the loss never need them.
+"""
+import functools
+import os
+import resource
+import time
+
+import torch
+
+
+def sync(device):
+    """Wait for the device's queued work (CUDA is asynchronous), so a clock read after it means something."""
+    if torch.device(device).type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def timed_rounds(fns, device, repeat, warmup=1):
+    """Best seconds of each of fns, timed in turn, `repeat` rounds: numbers meant to be compared, e.g. as a ratio,
+    then see the same slow spells of a shared machine."""
+    for fn in fns * warmup:
+        fn()
+    best = [float('inf')] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def timed(fn, device, repeat, warmup=1):
+    """Best wall-clock seconds of fn() over `repeat` runs, after `warmup` untimed ones."""
+    return timed_rounds([fn], device, repeat, warmup)[0]
+
+
+def lap(times, key, since, device):
+    """Add the wall time since `since` to times[key] (after the device's queued work), and return now, the start
+    of the next phase."""
+    sync(device)
+    now = time.perf_counter()
+    times[key] = times.get(key, 0.0) + now - since
+    return now
+
+
+@functools.lru_cache(maxsize=4)  # once per process and dtype: tests run train.py many times in one process
+def matmul_peak(device, dtype=torch.float32, repeat=5):
+    """The machine's own matmul throughput in FLOP/s in `dtype` (a big square matmul), and what was measured. MFU
+    is against this, not a datasheet: CPUs differ 2x in float32 and some have bf16 matrix units."""
+    n = 8192 if torch.device(device).type == 'cuda' else 2048
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = timed(lambda: a @ b, device, repeat=repeat)
+    return 2 * n**3 / seconds, f"{n}x{n} {dtype}".replace('torch.', '')
+
+
+def memory_mb(device):
+    """CUDA: the peak allocated since the last call. CPU: the resident memory now (peak where /proc is missing)."""
+    if torch.device(device).type == 'cuda':
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**20
+    try:
+        with open('/proc/self/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
