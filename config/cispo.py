@@ -7,10 +7,7 @@ epsilon_high = 5.0
 loss_type = 'dapo'  # MiniMax-M1 normalises by the step's token count, like DAPO
 scale_rewards = 'group'
 beta = 0.0
-# 32 prompts x 8 = 256 completions per rollout, 2 optimizer steps of 128 (2 ranks x 1 micro-batch of 64)
-prompts_per_step = 32
-num_generations = 8
-steps_per_generation = 2
-micro_batch_size = 64
-max_iters = 1200
-learning_rate = 1e-4
+# DAPO's batch layout (config/dapo.py: 32 prompts x 8, two optimizer steps per rollout): the second step is
+# off-policy, where the weight's cap is what differs from PPO's clip
+from config.dapo import (learning_rate, max_iters, micro_batch_size, num_generations, prompts_per_step,
+                         steps_per_generation)

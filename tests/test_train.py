@@ -46,7 +46,7 @@ def test_recipe_runs_two_iterations(recipe, tmp_path):
     for m in rows:
         for key in ('reward', 'acc', 'kl', 'clip_ratio/region', 'grad_norm', 'lr', 'rollout_tok_s', 'mfu'):
             assert m[key] == m[key], f"{key} is NaN in {m}"  # NaN != NaN
-    assert 'eval 2: greedy acc' in p.stdout and 'iter 1: reward' in p.stdout
+    assert 'eval 2: greedy acc' in p.stdout and 'iter 1/2: reward' in p.stdout
     GPT.from_pretrained(os.path.join(out, json.load(open(out / 'latest'))))  # the HF-layout checkpoint loads
 
 
