@@ -114,7 +114,8 @@ def _task_rows(name, split, seed, size, options):
         order = rng.sample(range(count), count)  # small space: shuffle all of it, so `size` caps at what there is
     elif size > count * share // 200:  # past half of the split, draws would mostly hit problems already drawn
         raise ValueError(f"task {name!r} with {options} has about {count * share // 100} {split} problems, too few "
-                         f"to draw {size} distinct ones at random; ask for at most {count * share // 200} rows (eval_size)")
+                         f"to draw {size} distinct ones at random; ask for at most {count * share // 200} rows "
+                         f"(eval_size)")
     else:
         order = (rng.randrange(count) for _ in itertools.count())  # huge space: repeats are rare, skipped below
     rows, seen = [], set()

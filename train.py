@@ -316,8 +316,8 @@ def ticker(what, total, unit):
         nonlocal last
         now = time.time()
         if master and now - last >= progress_interval and done < total:
-            print(f"{what}: {done}/{total} {unit}{extra} ({hms(now - t0)}, eta {hms((now - t0) / done * (total - done))})",
-                  flush=True)
+            eta = (now - t0) / done * (total - done)
+            print(f"{what}: {done}/{total} {unit}{extra} ({hms(now - t0)}, eta {hms(eta)})", flush=True)
             last = now
     return tick
 
@@ -509,8 +509,8 @@ for it in range(iter_start, max_iters + 1):
     m.update({f'time/{k}': v for k, v in times.items()})
     others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in reward_fns[1:])  # e.g. the format
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
-    log(m, f"iter {it}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}{others} | flat "
-           f"{m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl "
+    log(m, f"iter {it}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}{others} | "
+           f"flat {m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl "
            f"{m['kl']:.4f} | clip {m['clip_ratio/region']:.3f} | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} | "
            f"rollout {m['rollout_tok_s']:.0f} tok/s | train {m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | "
            f"{m['dt']:.2f}s | eta {hms(eta)}" + (f" | {bad} non-finite step(s) skipped" if bad else ""))

@@ -131,8 +131,8 @@ def test_a_users_jsonl_file_needs_no_task_flags(tmp_path):
         rows = [{'prompt': f'{a}+{a}=', 'answer': str(2 * a)} for a in range(10 if split == 'test' else 0, 30)]
         (tmp_path / f'{split}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     out = tmp_path / 'out'
-    cmd = [sys.executable, 'train.py', *[a for a in TINY if 'task_options' not in a], f'--task={tmp_path}/{{split}}.jsonl',
-           '--max_iters=1', f'--out_dir={out}']
+    tiny = [a for a in TINY if 'task_options' not in a]
+    cmd = [sys.executable, 'train.py', *tiny, f'--task={tmp_path}/{{split}}.jsonl', '--max_iters=1', f'--out_dir={out}']
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert p.returncode == 0, p.stderr[-2000:]
     assert 'iter 0/1: reward' in p.stdout
