@@ -397,3 +397,13 @@ def test_bad_input_is_a_clear_error():
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="group, batch, none"):
         group_advantages(torch.zeros(4), 2, "std")
+
+
+def test_is_flat_for_any_group_size():
+    """A flat group (all rewards equal, NaN counted as 0) has zero advantage; with G = 1 every group is flat."""
+    from rollout import is_flat
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0, float('nan'), 0.0], dtype=torch.float64)
+    assert is_flat(r, 2).tolist() == [True, False, True]
+    assert is_flat(r, 3).tolist() == [False, False]
+    assert is_flat(r, 1).tolist() == [True] * 6
+    assert is_flat(torch.zeros(4), 4).tolist() == [True]

@@ -1,4 +1,5 @@
 """train.py end to end, as a user runs it: every recipe for two iterations, and a 2-process torchrun (gloo)."""
+import ast
 import json
 import math
 import os
@@ -136,3 +137,21 @@ def test_a_users_jsonl_file_needs_no_task_flags(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert p.returncode == 0, p.stderr[-2000:]
     assert 'iter 0/1: reward' in p.stdout
+
+
+def test_long_phases_report_progress(tmp_path):
+    """With progress_interval=0 every step of the warm start and every chunk of an evaluation prints a progress line
+    (the default 10 s keeps short phases quiet)."""
+    p = run(['config/dr_grpo.py', '--max_iters=1', '--progress_interval=0'], tmp_path / 'out')
+    assert 'warm start: 1/3 steps, loss ' in p.stdout  # TINY: 3 warm-start steps, 8 eval prompts, 4 per chunk
+    assert 'eval 0: 4/8 prompts (' in p.stdout and ', eta ' in p.stdout
+
+
+def test_nothing_imports_bench():
+    """Imports run one way: bench.py measures the trainer's modules, none of them depends on it."""
+    for f in os.listdir(ROOT):
+        if f.endswith('.py') and f != 'bench.py':
+            tree = ast.parse(open(os.path.join(ROOT, f)).read())
+            names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
+                [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+            assert 'bench' not in names, f
