@@ -26,6 +26,32 @@ r = exp(logp - old_logp). Everything here is a loss (the negated objective). Whe
   Dual clip (Ye et al. 2020; verl's clip_ratio_c)
     with A < 0, cap r at delta so one stale token with a huge    delta
     ratio cannot dominate the step
+  SAPO (Gao et al. 2025)
+    -(4/tau) sigmoid(tau (r - 1)) A: a soft gate, not a hard    surrogate="sapo", tau = sapo_temperature_pos
+    clip; its gradient is PPO's at r = 1, fading past it        where A > 0, else sapo_temperature_neg
+  VESPO (2026)
+    -phi(w) A logp, phi(w) = exp(lambda + k log w - lambda w):  surrogate="vespo", (k, lambda) = vespo_k_pos,
+    a detached weight of the sequence ratio w = prod_t r_t      vespo_lambda_pos where A >= 0, else the _neg pair
+  DeepSeek-V3.2 (2025)
+    r x KL: weighted by the ratio, the KL's gradient stays      use_bias_correction_kl
+    unbiased off-policy
+    drop a sequence with A < 0 whose mean log(pi_sampler / pi)  off_policy_mask_threshold
+    over its tokens exceeds delta (eq. 9)
+  Beyond the 80/20 rule (Wang et al. 2025)
+    the policy term only on the top rho share of tokens by      entropy_threshold, then entropy_mask
+    entropy, the few 'forking' tokens where the answer turns
+  Entropy bonus (verl's entropy_coeff)
+    - coef x the mean token entropy of the step                 entropy_coef
+  TIS (Yao et al. 2025), MIS / IcePop (Ling team 2025)
+    the sampler's log-probs (bf16, another engine) are not the  sampler_correction="token_truncate" etc.,
+    trainer's: weight each token by rho = pi_old / pi_sampler   sampler_correction_clip_min/max
+    (or its product over the sequence), capped or zeroed
+  RLOO (Ahmadian et al. 2024), REINFORCE++ (Hu 2025)
+    baseline = mean of the other G-1 rewards; or the group      group_advantages(estimator="rloo"),
+    mean, then whitened over the whole batch                    (estimator="reinforce_pp")
+  GDPO (2026)
+    each reward function normalised in its group, then the      decoupled_advantages
+    weighted sum normalised over the batch
 
 Where the KL goes. The GRPO paper adds beta * KL to the loss, per token, instead of subtracting it from the reward
 as PPO for RLHF does. That keeps the advantage a pure group-relative reward signal (a penalty folded into the
@@ -41,9 +67,12 @@ default to this micro-batch's, i.e. one micro-batch per step). DDP averages grad
 multiplies the loss by world_size before backward.
 """
 
+import math
+
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def _check_choice(name, value, choices):
@@ -60,30 +89,71 @@ def _mean_std(x, valid):
 
 
 def _masked_mean(x, valid):
-    """Mean of x over the valid entries; 0 (not NaN) when there are none."""
-    return torch.where(valid, x, 0).sum() / valid.sum().clamp(min=1)
+    """Mean of x over the valid entries, in float64 (x may be a bool mask); 0 (not NaN) when there are none."""
+    return torch.where(valid, x, 0).sum(dtype=torch.float64) / valid.sum().clamp(min=1)
 
 
-def group_advantages(rewards, num_generations, scale_rewards="group"):
+def group_advantages(rewards, num_generations, scale_rewards="group", estimator="grpo"):
     """
     rewards: (B,) float, groups are contiguous blocks of num_generations rows; NaN marks a reward that does not
-    apply, which is left out of its group's statistics and gets advantage 0. scale_rewards divides by the
-    sample std of the "group" (DeepSeekMath), of the whole "batch" (steadier when G is small), or "none" (Dr. GRPO:
-    the std division over-weights groups that are almost all right or all wrong). Returns (B,) advantages.
+    apply, which is left out of the statistics and gets advantage 0. The baseline (estimator) is the group mean
+    ("grpo"), the mean of the group's other rewards ("rloo": an unbiased baseline, G/(G-1) times grpo's advantage),
+    or the group mean followed by whitening over the whole batch ("reinforce_pp", REINFORCE++'s baseline variant;
+    over completions, where verl weighs each by its token count). grpo and rloo then divide by the sample std of
+    the "group" (DeepSeekMath), of the whole "batch" (steadier when G is small), or "none" (Dr. GRPO: the std
+    division over-weights groups that are almost all right or all wrong); reinforce_pp has its own batch scale
+    and takes "none". Returns (B,) advantages.
     """
     _check_choice("scale_rewards", scale_rewards, ("group", "batch", "none"))
+    _check_choice("advantage_estimator", estimator, ("grpo", "rloo", "reinforce_pp"))
     B, G = rewards.shape[0], num_generations
     if G < 1 or B % G:
         raise ValueError(f"{B} rewards do not split into groups of num_generations={G}; B must be a multiple of G")
+    if estimator == "reinforce_pp" and scale_rewards != "none":
+        raise ValueError(f"advantage_estimator='reinforce_pp' normalises over the batch itself; scale_rewards="
+                         f"'{scale_rewards}' would scale twice: set scale_rewards='none'")
     valid = ~torch.isnan(rewards.view(-1, G))  # (B/G, G)
     r = torch.where(valid, rewards.view(-1, G), 0.0)  # (B/G, G)
     mean, std = _mean_std(r, valid)  # (B/G, 1) each
-    if scale_rewards == "batch":
-        std = _mean_std(r.view(1, -1), valid.view(1, -1))[1]  # (1, 1)
     advantages = r - mean  # (B/G, G)
-    if scale_rewards != "none":
+    if estimator == "rloo":  # r_i - (sum - r_i) / (n - 1) = n / (n - 1) (r_i - mean); a lone reward gets 0
+        n = valid.sum(-1, keepdim=True)  # (B/G, 1)
+        advantages = torch.where(n > 1, advantages * n / (n - 1).clamp(min=1), 0.0)
+    if estimator == "reinforce_pp":  # whitened with the batch's mean and std of the centred rewards
+        batch_mean, std = _mean_std(torch.where(valid, advantages, 0.0).view(1, -1), valid.view(1, -1))  # (1, 1)
+        advantages = advantages - batch_mean
+    elif scale_rewards == "batch":
+        std = _mean_std(r.view(1, -1), valid.view(1, -1))[1]  # (1, 1)
+    if scale_rewards != "none" or estimator == "reinforce_pp":
         advantages = advantages / (std + 1e-4)  # +1e-4: a group with no spread gets 0, not 0/0
     return torch.where(valid, advantages, 0.0).view(-1)
+
+
+def decoupled_advantages(scores, weights, num_generations):
+    """
+    GDPO (TRL's multi_objective_aggregation="normalize_then_sum"): with several reward functions, summing first
+    lets the one with the widest spread drown the others inside a group; instead each function's scores (a column
+    of scores (B, F), NaN where it does not apply) are normalised within their group, the weighted sum is taken, and
+    that is normalised over the whole batch. A completion no function scored gets 0. Returns (B,) advantages.
+    """
+    B = scores.shape[0]
+    scored = ~torch.isnan(scores).all(-1)  # (B,)
+    total = sum(w * group_advantages(scores[:, f], num_generations, "group") for f, w in enumerate(weights))  # (B,)
+    total = torch.where(scored, total, float("nan"))
+    return group_advantages(total, B, "group")  # the batch as one group: centred and scaled by its std
+
+
+def entropy_threshold(entropy, mask, quantile):
+    """
+    Beyond the 80/20 rule: the entropy at or above which a token is among the top `quantile` share (0 < rho <= 1)
+    of the valid tokens, the (1 - rho) quantile with linear interpolation. Pass every token of the optimizer step
+    (all micro-batches, all ranks): the choice then does not depend on how the step is split. entropy_mask =
+    entropy >= threshold selects the policy term's tokens in grpo_loss; no valid token gives +inf.
+    """
+    values = entropy[mask.bool()]
+    if values.numel() == 0:
+        return torch.tensor(float("inf"))
+    return torch.quantile(values, 1 - quantile)
 
 
 def kl_divergence(logps, ref_logps, estimator="k3"):
@@ -104,19 +174,30 @@ def kl_divergence(logps, ref_logps, estimator="k3"):
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo", beta=0.0, epsilon_low=0.2,
               epsilon_high=0.2, delta=None, surrogate="clip", importance_sampling_level="token", kl_estimator="k3",
-              max_completion_length=None, num_sequences=None, num_tokens=None):
+              max_completion_length=None, num_sequences=None, num_tokens=None, sapo_temperature_pos=1.0,
+              sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+              use_bias_correction_kl=False, sampler_logps=None, off_policy_mask_threshold=None,
+              sampler_correction="none", sampler_correction_clip_min=None, sampler_correction_clip_max=3.0,
+              entropy=None, entropy_coef=0.0, entropy_mask=None):
     """
     logps, old_logps, ref_logps, mask: (B, T); advantages: (B,). old_logps=None means on-policy (a single update
     per batch of rollouts); ref_logps may be None only when beta == 0. mask may be bool or float (nonzero counts).
     For surrogate="cispo", epsilon_high is the absolute cap on the IS weight (e.g. 5.0), not 1 + eps.
     max_completion_length is Dr. GRPO's constant; it defaults to T, which is only right when every micro-batch is
     padded to the generation limit. num_sequences / num_tokens count the whole optimizer step (see the module doc).
+    sampler_logps (B, T): the log-probs the sampler reported, when the trainer recomputed old_logps (they default to
+    old_logps): the off-policy mask and sampler_correction compare against them. entropy (B, T): each token's
+    entropy, differentiable, for the bonus and the stats; entropy_mask (B, T) bool: the tokens the policy term keeps
+    (see entropy_threshold). Off-policy masking, entropy_mask and sampler_correction weigh the policy term only;
+    dropped tokens still count in the normalisers. use_bias_correction_kl changes the KL's gradient even on-policy,
+    where r = 1 in value: d(r KL) = KL d(logp) + d(KL).
     Returns (loss, stats): a scalar and a dict of detached 0-dim tensors, fractions over this micro-batch's tokens.
     """
     _check_choice("loss_type", loss_type, LOSS_TYPES)
-    _check_choice("surrogate", surrogate, ("clip", "cispo"))
+    _check_choice("surrogate", surrogate, ("clip", "cispo", "sapo", "vespo"))
     _check_choice("importance_sampling_level", importance_sampling_level, ("token", "sequence"))
     _check_choice("kl_estimator", kl_estimator, ("k1", "k2", "k3"))
+    _check_choice("sampler_correction", sampler_correction, SAMPLER_CORRECTIONS)
     if beta != 0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps from a reference model; pass them or set beta=0")
     if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
@@ -130,13 +211,17 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     # carries the gradient of x, so r is exactly 1 (the clip never fires) and grad r = grad logp, the policy gradient.
     if old_logps is None:
         old_logps = logps.detach()
-    log_ratio = torch.where(valid, logps - old_logps, 0.0)  # (B, T) masked before exp: no inf * 0 = NaN from padding
+    sampler_logps = old_logps.detach() if sampler_logps is None else sampler_logps
+    token_log_ratio = torch.where(valid, logps - old_logps, 0.0)  # (B, T) masked before exp: no inf * 0 = NaN
+    log_ratio = token_log_ratio
     if importance_sampling_level == "sequence":
         seq_log_ratio = log_ratio.sum(-1, keepdim=True) / lengths.clamp(min=1)[:, None]  # (B, 1) log s_i
         log_ratio = seq_log_ratio.detach() + log_ratio - log_ratio.detach()  # value log s_i, gradient per token
     ratio = torch.exp(log_ratio)  # (B, T)
 
     A = advantages[:, None]  # (B, 1)
+    no_clip = torch.zeros_like(valid)  # the soft surrogates have no clipped region
+    clipped_low, clipped_high = no_clip, no_clip
     if surrogate == "clip":
         # dual clip (= verl's clip_ratio_c): cap the ratio the min can pick; with delta > 1 + epsilon_high it only
         # binds for A < 0, where a stale token with a huge ratio would otherwise get an unbounded loss
@@ -144,12 +229,41 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         per_token = -torch.min(unclipped * A, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * A)  # (B, T)
         clipped_low = (ratio < 1 - epsilon_low) & (A < 0)  # where the min picks the constant: zero gradient
         clipped_high = (ratio > 1 + epsilon_high) & (A > 0)
-    else:
-        per_token = -ratio.clamp(max=epsilon_high).detach() * A * logps  # (B, T) CISPO
-        clipped_low = torch.zeros_like(valid)  # CISPO's weight has no lower cap
+    elif surrogate == "cispo":  # CISPO's weight has no lower cap
+        per_token = -ratio.clamp(max=epsilon_high).detach() * A * logps  # (B, T)
         clipped_high = ratio > epsilon_high
+    elif surrogate == "sapo":  # gradient 4 sig (1 - sig) r A: A at r = 1, then a smooth decay instead of a cliff
+        tau = torch.where(A > 0, A.new_tensor(sapo_temperature_pos), A.new_tensor(sapo_temperature_neg))  # (B, 1)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A  # (B, T)
+    else:  # vespo: the sequence's whole ratio w, reshaped by phi (1 at w = 1) into a bounded weight, no gradient
+        log_w = token_log_ratio.clamp(-20, 20).sum(-1, keepdim=True).clamp(math.log(1e-8), 20).detach()  # (B, 1)
+        k = torch.where(A >= 0, A.new_tensor(vespo_k_pos), A.new_tensor(vespo_k_neg))  # (B, 1)
+        lam = torch.where(A >= 0, A.new_tensor(vespo_lambda_pos), A.new_tensor(vespo_lambda_neg))  # (B, 1)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)  # (B, 1) non-finite -> 0
+        per_token = -phi * A * logps  # (B, T)
+
+    # What weighs or drops a token's policy term (the KL below keeps every token)
+    sampler_log_ratio = torch.where(valid, old_logps.detach() - sampler_logps, 0.0)  # (B, T) log(pi_old / pi_sampler)
+    if sampler_correction != "none":
+        if sampler_correction.startswith("sequence"):  # the product over the sequence's tokens
+            sampler_log_ratio = sampler_log_ratio.sum(-1, keepdim=True)  # (B, 1)
+        rho = sampler_log_ratio.clamp(max=20).exp()  # no inf: e^20 is far past any cap
+        low = 0.0 if sampler_correction_clip_min is None else sampler_correction_clip_min
+        if sampler_correction.endswith("truncate"):  # TIS: a capped weight keeps the variance bounded
+            rho = rho.clamp(low, sampler_correction_clip_max)
+        else:  # MIS / IcePop: a token (or sequence) the two disagree on too much is dropped, not down-weighted
+            rho = torch.where((rho >= low) & (rho <= sampler_correction_clip_max), rho, 0.0)
+        per_token = per_token * rho
+    if off_policy_mask_threshold is not None:  # DeepSeek-V3.2: a stale negative sample teaches the wrong lesson
+        drift = _mean_std(sampler_logps - logps.detach(), valid)[0]  # (B, 1) mean log(pi_sampler / pi)
+        off_policy = (A < 0) & (drift > off_policy_mask_threshold)  # (B, 1)
+        per_token = torch.where(off_policy, 0.0, per_token)
+    if entropy_mask is not None:  # 80/20: only the high-entropy ("forking") tokens
+        per_token = torch.where(entropy_mask, per_token, 0.0)
 
     kl = torch.zeros_like(logps) if ref_logps is None else kl_divergence(logps, ref_logps, kl_estimator)  # (B, T)
+    if use_bias_correction_kl:  # DeepSeek-V3.2: tokens drawn from pi_old estimate KL under pi only once weighted
+        kl = torch.exp(token_log_ratio) * kl  # by the token's own ratio, at either level: what makes it unbiased
     per_token = torch.where(valid, per_token + beta * kl, 0.0)  # (B, T)
 
     # Aggregation. Step-wide counts are clamped so that an all-masked batch gives a zero loss, not NaN.
@@ -168,6 +282,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         loss = token_sum.sum() / num_tokens
     else:  # luspo: mean over sequences of (sequence loss = its token mean) x its length, i.e. of its token sum
         loss = token_sum.sum() / num_sequences
+    if entropy_coef != 0:  # a bonus on the step's mean token entropy, the same for every loss_type
+        loss = loss - entropy_coef * torch.where(valid, entropy, 0.0).sum() / num_tokens
 
     stats = {
         "kl": _masked_mean(kl, valid),
@@ -177,4 +293,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         "ratio/mean": _masked_mean(ratio, valid),
         "ratio/max": torch.where(valid, ratio, 0.0).max(),  # ratios are > 0, so 0 marks an empty batch
     }
+    if entropy is not None:
+        stats["entropy"] = _masked_mean(entropy, valid)
+    if off_policy_mask_threshold is not None:
+        stats["off_policy_masked"] = _masked_mean(off_policy.expand_as(valid), valid)  # a share of tokens
+    if sampler_correction != "none":
+        stats["sampler_correction/weight"] = _masked_mean(rho.expand_as(valid), valid)
     return loss, {k: v.detach() for k, v in stats.items()}

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from loss import LOSS_TYPES, grpo_loss, group_advantages, kl_divergence  # noqa: E402
+from loss import (LOSS_TYPES, decoupled_advantages, entropy_threshold, grpo_loss, group_advantages,  # noqa: E402
+                  kl_divergence)
 
 DT = torch.float64
 NAN = float("nan")
@@ -39,9 +40,25 @@ def make_batch(seed, B=5, T=6, spread=0.4):
     return logps, old, ref, adv, mask
 
 
+def sampler_of(old, seed, spread=0.3):
+    """Log-probs a sampler might have reported for the same tokens: the trainer's plus noise; garbage in padding."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.where(old > -1000, old + spread * torch.randn(old.shape, generator=g, dtype=DT), 1000.0)
+
+
+def toy_entropy(logps):
+    """A differentiable stand-in for each token's entropy (the real one comes from the model's output layer)."""
+    return -0.7 * logps + 0.1 * logps ** 2
+
+
 def reference_loss(logps, old, ref, adv, mask, loss_type="grpo", beta=0.0, eps_low=0.2, eps_high=0.2, delta=None,
-                   surrogate="clip", level="token", kl_estimator="k3", L=None, N=None, num_tokens=None):
-    """Brute force: one Python loop over sequences, one over their valid tokens; returns (loss, stats)."""
+                   surrogate="clip", level="token", kl_estimator="k3", L=None, N=None, num_tokens=None,
+                   sapo_temps=(1.0, 1.05), vespo_pos=(2.0, 3.0), vespo_neg=(3.0, 2.0), iw_kl=False, sampler=None,
+                   off_policy=None, correction="none", clip_min=None, clip_max=3.0, entropy_coef=0.0, keep=None,
+                   gspo_token=False):
+    """Brute force: one Python loop over sequences, one over their valid tokens; returns (loss, stats). At the
+    sequence level, the ratio is GSPO's s_i differentiated through its mean, or with gspo_token GSPO-token's
+    sg(s_i) pi / sg(pi), whose gradient reaches only the tokens whose terms count."""
     B, T = logps.shape
     L = T if L is None else L
     N = B if N is None else N
@@ -49,15 +66,27 @@ def reference_loss(logps, old, ref, adv, mask, loss_type="grpo", beta=0.0, eps_l
     micro_tokens = sum(len(toks) for toks in rows)
     num_tokens = micro_tokens if num_tokens is None else num_tokens
     loss = logps.sum() * 0  # keeps the graph connected even when every term is a constant
-    kls, lows, highs, ratios = [], [], [], []
+    kls, lows, highs, ratios, entropies, dropped, weights = [], [], [], [], [], [], []
     for i, toks in enumerate(rows):
         A = adv[i].item()
         olds = [logps[i, t].detach() if old is None else old[i, t] for t in toks]
+        samplers = [o.item() if sampler is None else sampler[i, t].item() for t, o in zip(toks, olds)]
         if level == "sequence" and toks:  # GSPO: s_i = exp(mean_t log(pi / pi_old)), differentiated through
             s = torch.exp(sum(logps[i, t] - o for t, o in zip(toks, olds)) / len(toks))
+        # DeepSeek-V3.2 eq. 9: a negative sample the sampler drew from a policy that drifted too far is left out
+        drop = off_policy is not None and A < 0 and toks and \
+            sum(sp - logps[i, t].item() for t, sp in zip(toks, samplers)) / len(toks) > off_policy
+        # VESPO: w = prod_t pi / pi_old (each log-ratio clamped to +-20, the sum to [log 1e-8, 20]), a plain float
+        log_w = min(max(sum(min(max(logps[i, t].item() - o.item(), -20), 20) for t, o in zip(toks, olds)),
+                        math.log(1e-8)), 20)
+        k, lam = vespo_pos if A >= 0 else vespo_neg
+        phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+        seq_rho = math.exp(sum(o.item() - sp for o, sp in zip(olds, samplers)))  # prod_t pi_old / pi_sampler
         token_sum = 0.0
-        for t, o in zip(toks, olds):
-            r = s if level == "sequence" else torch.exp(logps[i, t] - o)
+        for t, o, sp in zip(toks, olds, samplers):
+            r = torch.exp(logps[i, t] - o)
+            if level == "sequence":  # GSPO-token (sec. 4.3): the same gradient, unless tokens are weighted unequally
+                r = s.detach() * torch.exp(logps[i, t] - logps[i, t].detach()) if gspo_token else s
             if surrogate == "clip":
                 clipped = max(min(r, 1 + eps_high), 1 - eps_low)
                 capped = r if delta is None else min(r, delta)
@@ -65,13 +94,31 @@ def reference_loss(logps, old, ref, adv, mask, loss_type="grpo", beta=0.0, eps_l
                 lows.append(r.item() < 1 - eps_low and A < 0)
                 highs.append(r.item() > 1 + eps_high and A > 0)
             else:
-                term = -min(r.item(), eps_high) * A * logps[i, t]
+                if surrogate == "cispo":
+                    term = -min(r.item(), eps_high) * A * logps[i, t]
+                elif surrogate == "sapo":
+                    tau = sapo_temps[0] if A > 0 else sapo_temps[1]
+                    term = -4 / tau * torch.sigmoid(tau * (r - 1)) * A
+                else:
+                    term = -phi * A * logps[i, t]
                 lows.append(False)
-                highs.append(r.item() > eps_high)
+                highs.append(surrogate == "cispo" and r.item() > eps_high)
+            if correction != "none":  # TIS / MIS: rho = pi_old / pi_sampler, per token or for the whole sequence
+                rho = seq_rho if correction.startswith("sequence") else math.exp(o.item() - sp)
+                lo = 0.0 if clip_min is None else clip_min
+                rho = min(max(rho, lo), clip_max) if correction.endswith("truncate") else \
+                    rho if lo <= rho <= clip_max else 0.0
+                weights.append(rho)
+                term = term * rho
+            if drop or (keep is not None and not keep[i, t]):
+                term = 0.0
             ratios.append(r.item())
+            dropped.append(bool(drop))
             if ref is not None:
                 x = ref[i, t] - logps[i, t]
                 kl = {"k1": -x, "k2": x * x / 2, "k3": torch.exp(x) - x - 1}[kl_estimator]
+                if iw_kl:  # the token's ratio, whatever the surrogate's level
+                    kl = torch.exp(logps[i, t] - o) * kl
                 kls.append(kl.item())
                 term = term + beta * kl
             token_sum = token_sum + term
@@ -88,10 +135,18 @@ def reference_loss(logps, old, ref, adv, mask, loss_type="grpo", beta=0.0, eps_l
             loss = loss + token_sum / num_tokens
         else:  # luspo: (token-mean sequence loss) x length, averaged over sequences
             loss = loss + (token_sum / n) * n / N
+        for t in toks:
+            entropies.append(toy_entropy(logps[i, t]))
+            loss = loss - entropy_coef * entropies[-1] / num_tokens
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     stats = {"kl": mean(kls), "clip_ratio/low": mean(lows), "clip_ratio/high": mean(highs),
              "clip_ratio/region": mean([lo or hi for lo, hi in zip(lows, highs)]),
-             "ratio/mean": mean(ratios), "ratio/max": max(ratios, default=0.0)}
+             "ratio/mean": mean(ratios), "ratio/max": max(ratios, default=0.0),
+             "entropy": mean([e.item() for e in entropies])}
+    if off_policy is not None:
+        stats["off_policy_masked"] = mean(dropped)
+    if correction != "none":
+        stats["sampler_correction/weight"] = mean(weights)
     return loss, stats
 
 
@@ -119,17 +174,67 @@ def test_matches_brute_force(loss_type, surrogate, delta, eps_low, eps_high, lev
     logps, old, ref, adv, mask = make_batch(seed=0)
     old = None if on_policy else old
     kw = dict(loss_type=loss_type, beta=beta, delta=delta, surrogate=surrogate, kl_estimator=kl_estimator)
-    loss, grad, stats = loss_and_grad(grpo_loss, logps, old, ref, adv, mask, epsilon_low=eps_low,
-                                      epsilon_high=eps_high, importance_sampling_level=level, **kw)
-    ref_loss, ref_grad, ref_stats = loss_and_grad(reference_loss, logps, old, ref, adv, mask, eps_low=eps_low,
-                                                  eps_high=eps_high, level=level, **kw)
+    check_against_reference(logps, old, ref, adv, mask, dict(epsilon_low=eps_low, epsilon_high=eps_high,
+                            importance_sampling_level=level, **kw), dict(eps_low=eps_low, eps_high=eps_high,
+                            level=level, **kw))
+
+
+def ours_with_entropy(lp, *args, **kwargs):
+    return grpo_loss(lp, *args, entropy=toy_entropy(lp), **kwargs)
+
+
+def check_against_reference(logps, old, ref, adv, mask, ours, reference):
+    """grpo_loss(**ours) and reference_loss(**reference): the same loss, gradient and stats; no NaN, and exactly
+    zero gradient on padding and on the all-masked row."""
+    loss, grad, stats = loss_and_grad(ours_with_entropy, logps, old, ref, adv, mask, **ours)
+    ref_loss, ref_grad, ref_stats = loss_and_grad(reference_loss, logps, old, ref, adv, mask, **reference)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
     assert torch.isfinite(grad).all()
     assert (grad[~mask] == 0).all()  # padding and the all-masked row get exactly zero gradient
+    assert stats.keys() == ref_stats.keys()
     for name, value in ref_stats.items():
         assert stats[name].requires_grad is False and stats[name].dim() == 0
         assert stats[name].item() == pytest.approx(value, rel=1e-10, abs=1e-12), name
+
+
+# (name, grpo_loss's keywords, the reference's): each knob of the second wave alone, then all of them together
+KEEP = torch.rand(5, 6, generator=torch.Generator().manual_seed(21)) < 0.5
+KNOBS = [
+    ("sapo", dict(surrogate="sapo"), dict(surrogate="sapo")),
+    ("sapo temperatures", dict(surrogate="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=3.0),
+     dict(surrogate="sapo", sapo_temps=(0.5, 3.0))),
+    ("vespo", dict(surrogate="vespo"), dict(surrogate="vespo")),
+    ("vespo shapes", dict(surrogate="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
+                          vespo_lambda_neg=1.0), dict(surrogate="vespo", vespo_pos=(1.5, 0.5), vespo_neg=(4.0, 1.0))),
+    ("importance-weighted kl", dict(use_bias_correction_kl=True, beta=0.1), dict(iw_kl=True, beta=0.1)),
+    ("off-policy mask", dict(off_policy_mask_threshold=0.02), dict(off_policy=0.02)),
+    ("entropy mask", dict(entropy_mask=KEEP), dict(keep=KEEP)),
+    ("entropy bonus", dict(entropy_coef=0.3), dict(entropy_coef=0.3)),
+] + [(mode, dict(sampler_correction=mode, sampler_correction_clip_min=lo, sampler_correction_clip_max=hi),
+      dict(correction=mode, clip_min=lo, clip_max=hi))
+     for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+     for lo, hi in ((None, 1.2), (0.8, 1.1))] + [
+    ("all at once", dict(surrogate="sapo", use_bias_correction_kl=True, beta=0.1, off_policy_mask_threshold=0.0,
+                         entropy_mask=KEEP, entropy_coef=0.3, sampler_correction="token_mask",
+                         sampler_correction_clip_min=0.7),
+     dict(surrogate="sapo", iw_kl=True, beta=0.1, off_policy=0.0, keep=KEEP, entropy_coef=0.3, correction="token_mask",
+          clip_min=0.7)),
+]
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("name,ours,reference", KNOBS, ids=[k[0] for k in KNOBS])
+def test_second_wave_matches_brute_force(name, ours, reference, loss_type, level, on_policy):
+    logps, old, ref, adv, mask = make_batch(seed=20)
+    sampler = sampler_of(old, seed=22)
+    old = None if on_policy else old
+    common = dict(loss_type=loss_type, beta=0.05, delta=1.5)
+    check_against_reference(logps, old, ref, adv, mask, dict(common, importance_sampling_level=level, epsilon_high=0.28,
+                            sampler_logps=sampler, **ours), dict(common, level=level, eps_high=0.28, sampler=sampler,
+                                                                 gspo_token=True, **reference))
 
 
 def test_all_masked_row_alone_gives_zero_loss_and_gradient():
@@ -258,6 +363,104 @@ def test_clip_binds_only_where_it_should():
     assert stats["clip_ratio/region"].item() == pytest.approx((low | high).sum().item() / n)
 
 
+@pytest.mark.parametrize("tau", [1.0, 1.05, 4.0])
+def test_sapo_gate_is_ppo_at_r_1_and_fades_smoothly(tau):
+    """SAPO's gradient is PPO's unclipped one, r A grad logp, times a gate 4 sig (1 - sig) of tau (r - 1): 1 at r = 1,
+    where it equals the clipped surrogate's gradient, then decreasing smoothly on both sides, never a cliff to 0."""
+    r = torch.tensor([0.25, 0.5, 0.8, 0.95, 1.0, 1.05, 1.2, 1.5, 2.0, 4.0], dtype=DT)
+    logps, mask = torch.log(r)[None], torch.ones(1, len(r), dtype=torch.bool)  # old_logps = 0, so the ratio is r
+    for A in (1.0, -1.0):
+        adv = torch.tensor([A], dtype=DT)
+        _, grad, _ = loss_and_grad(grpo_loss, logps, torch.zeros_like(logps), None, adv, mask, loss_type="luspo",
+                                   surrogate="sapo", sapo_temperature_pos=tau, sapo_temperature_neg=tau)
+        gate = (grad / (-A * r)).squeeze(0)  # luspo: the token sum, so each token's gradient is its own
+        sig = torch.sigmoid(tau * (r - 1))
+        torch.testing.assert_close(gate, 4 * sig * (1 - sig), rtol=1e-12, atol=1e-15)
+        assert gate[4].item() == 1.0 and (gate > 0).all()
+        assert (gate[:4].diff() > 0).all() and (gate[4:].diff() < 0).all()
+    logps, _, _, adv, mask = make_batch(seed=23)  # on-policy, r = 1 everywhere: SAPO is the policy gradient
+    _, sapo, _ = loss_and_grad(grpo_loss, logps, None, None, adv, mask, surrogate="sapo",
+                               sapo_temperature_pos=tau, sapo_temperature_neg=tau)
+    _, clip, _ = loss_and_grad(grpo_loss, logps, None, None, adv, mask)
+    torch.testing.assert_close(sapo, clip, rtol=1e-12, atol=1e-15)
+
+
+def test_vespo_weight_is_1_on_policy_and_passes_no_gradient():
+    logps, old, _, adv, mask = make_batch(seed=24, spread=0.2)
+    _, on, _ = loss_and_grad(grpo_loss, logps, None, None, adv, mask, surrogate="vespo", loss_type="dapo")
+    _, clip, _ = loss_and_grad(grpo_loss, logps, None, None, adv, mask, loss_type="dapo")
+    torch.testing.assert_close(on, clip, rtol=1e-12, atol=1e-15)  # w = 1, phi(1) = e^(lambda - lambda) = 1
+    # off-policy, each token's gradient is -phi_i A_i / tokens: phi is a constant weight, nothing flows through it
+    _, grad, _ = loss_and_grad(grpo_loss, logps, old, None, adv, mask, surrogate="vespo", loss_type="dapo")
+    w = torch.exp(torch.where(mask, logps - old, 0.0).sum(-1))  # (B,) the sequence ratio, small logs: no clamps bind
+    k = torch.where(adv >= 0, 2.0, 3.0).to(DT)
+    lam = torch.where(adv >= 0, 3.0, 2.0).to(DT)
+    phi = w ** k * torch.exp(lam * (1 - w))  # the same function written another way
+    want = torch.where(mask, -(phi * adv)[:, None] / mask.sum(), 0.0)
+    torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-14)
+    assert (phi[mask.any(-1)] != 1).all()
+
+
+def test_importance_weighted_kl_gradient_is_unbiased_off_policy():
+    """Tokens drawn from a stale policy pi_old: the mean of d(r k3) is the gradient of the exact KL(pi || pi_ref),
+    where the mean of d(k3) alone is not. Monte Carlo over a 6-token vocabulary, seeded."""
+    g = torch.Generator().manual_seed(25)
+    V, n = 6, 200_000
+    theta = torch.randn(V, generator=g, dtype=DT, requires_grad=True)
+    stale = torch.log_softmax(theta.detach() + torch.randn(V, generator=g, dtype=DT), -1)
+    ref = torch.log_softmax(torch.randn(V, generator=g, dtype=DT), -1)
+    logq = torch.log_softmax(theta, -1)
+    exact = torch.autograd.grad((logq.exp() * (logq - ref)).sum(), theta)[0]
+    tokens = torch.multinomial(stale.exp(), n, replacement=True, generator=g)[:, None]  # (n, 1)
+    mask, adv = torch.ones(n, 1, dtype=torch.bool), torch.zeros(n, dtype=DT)  # the KL term alone
+    grads = {}
+    for weighted in (True, False):
+        logps = torch.log_softmax(theta, -1)[tokens]  # (n, 1)
+        loss, _ = grpo_loss(logps, stale[tokens], ref[tokens], adv, mask, loss_type="dapo", beta=1.0,
+                            use_bias_correction_kl=weighted)
+        grads[weighted] = torch.autograd.grad(loss, theta)[0]
+    assert (grads[True] - exact).abs().max() < 0.01  # the Monte Carlo error at n = 200k is ~0.002
+    assert (grads[False] - exact).abs().max() > 0.05
+
+
+def test_entropy_threshold_keeps_the_top_share_of_the_valid_tokens():
+    g = torch.Generator().manual_seed(26)
+    entropy = torch.rand(40, 30, generator=g, dtype=DT)
+    mask = torch.rand(40, 30, generator=g) < 0.6
+    entropy[~mask] = 100.0  # padding must not count, however high its entropy
+    n = int(mask.sum())
+    for rho in (0.05, 0.2, 0.5, 0.8, 1.0):
+        kept = int((mask & (entropy >= entropy_threshold(entropy, mask, rho))).sum())
+        assert kept == n - math.ceil((1 - rho) * (n - 1))  # linear interpolation between distinct values
+        assert abs(kept - rho * n) <= 1
+    assert entropy_threshold(entropy, torch.zeros_like(mask), 0.2).item() == math.inf
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_sampler_correction_with_an_identical_sampler_is_a_no_op(mode, on_policy):
+    logps, old, ref, adv, mask = make_batch(seed=27)
+    sampler = logps if on_policy else old  # on-policy, the trainer's old log-probs are logps itself
+    old = None if on_policy else old
+    plain = loss_and_grad(grpo_loss, logps, old, ref, adv, mask, beta=0.1)
+    corrected = loss_and_grad(grpo_loss, logps, old, ref, adv, mask, beta=0.1, sampler_logps=sampler,
+                              sampler_correction=mode, sampler_correction_clip_min=0.5, sampler_correction_clip_max=2)
+    assert torch.equal(plain[0], corrected[0]) and torch.equal(plain[1], corrected[1])
+    assert corrected[2]["sampler_correction/weight"].item() == pytest.approx(1.0, abs=0)
+
+
+def test_off_policy_mask_drops_only_stale_negative_sequences():
+    logps, _, _, adv, mask = make_batch(seed=28, B=8)
+    adv[:4], adv[4:] = -1.0, 1.0
+    drift = torch.tensor([0.0, 0.3, 0.0, 0.3] * 2, dtype=DT)  # mean log(pi_sampler / pi) of each sequence
+    sampler = logps + drift[:, None]
+    _, grad, stats = loss_and_grad(grpo_loss, logps, None, None, adv, mask, sampler_logps=sampler,
+                                   off_policy_mask_threshold=0.1)
+    dropped = torch.tensor([False, True, False, True] + [False] * 4)  # A < 0 and drift > 0.1; row 2 is empty
+    assert (grad[dropped] == 0).all() and (grad[~dropped & mask.any(-1)].abs().sum(-1) > 0).all()
+    assert stats["off_policy_masked"].item() == pytest.approx(mask[dropped].sum().item() / mask.sum().item())
+
+
 def test_kl_in_reward_changes_advantages_not_the_per_token_loss():
     logps, old, ref, adv, mask = make_batch(seed=8, B=6)
     G, beta = 3, 0.5
@@ -283,9 +486,10 @@ def split_grads(k, logps, old, ref, adv, mask, **kw):
     total = torch.zeros_like(logps)
     for rows in torch.arange(B).chunk(k):
         t = max(int(mask[rows].nonzero()[:, 1].max()) + 1, 1) if mask[rows].any() else 1
-        _, grad, _ = loss_and_grad(grpo_loss, logps[rows, :t], old[rows, :t], ref[rows, :t], adv[rows],
+        part = {k: v[rows, :t] if torch.is_tensor(v) else v for k, v in kw.items()}  # sampler_logps, entropy_mask
+        _, grad, _ = loss_and_grad(ours_with_entropy, logps[rows, :t], old[rows, :t], ref[rows, :t], adv[rows],
                                    mask[rows, :t], num_sequences=B, num_tokens=int(mask.sum()),
-                                   max_completion_length=T, **kw)
+                                   max_completion_length=T, **part)
         total[rows, :t] += grad
     return total
 
@@ -299,6 +503,19 @@ def test_split_invariance(loss_type, level, k):
     kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.1, epsilon_high=0.28)
     _, whole, _ = loss_and_grad(grpo_loss, logps, old, ref, adv, mask, **kw)
     torch.testing.assert_close(split_grads(k, logps, old, ref, adv, mask, **kw), whole, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "luspo"])
+@pytest.mark.parametrize("name,ours", [k[:2] for k in KNOBS], ids=[k[0] for k in KNOBS])
+def test_second_wave_split_invariance(name, ours, loss_type, level):
+    logps, old, ref, adv, mask = make_batch(seed=20)
+    mask[4, 3:] = False
+    kw = dict(dict(beta=0.1, loss_type=loss_type, importance_sampling_level=level,
+                   sampler_logps=sampler_of(old, seed=22)), **ours)
+    _, whole, _ = loss_and_grad(ours_with_entropy, logps, old, ref, adv, mask, **kw)
+    for k in (2, 5):
+        torch.testing.assert_close(split_grads(k, logps, old, ref, adv, mask, **kw), whole, rtol=0, atol=1e-12)
 
 
 def test_bnpo_is_the_mean_of_micro_batch_token_means():
@@ -332,6 +549,53 @@ def reference_advantages(rewards, G, scale):
         for x in group:
             out.append(0.0 if math.isnan(x) else (x - mean) if std is None else (x - mean) / (std + 1e-4))
     return torch.tensor(out, dtype=DT)
+
+
+def test_rloo_is_the_leave_one_out_baseline():
+    """A_i = R_i - mean of the group's other rewards: zero sum in each group, G/(G-1) times the group-mean
+    baseline's advantage (n/(n-1) with n valid rewards), under every scaling."""
+    g = torch.Generator().manual_seed(29)
+    rewards = torch.randn(24, generator=g, dtype=DT)
+    rewards[torch.rand(24, generator=g) < 0.2] = NAN
+    rewards[8:12] = torch.tensor([NAN, NAN, NAN, 2.0], dtype=DT)  # one valid reward: no baseline, advantage 0
+    want = []
+    for group in rewards.view(-1, 4).tolist():
+        valid = [x for x in group if not math.isnan(x)]
+        want += [0.0 if math.isnan(x) or len(valid) < 2 else x - (sum(valid) - x) / (len(valid) - 1) for x in group]
+    rloo = group_advantages(rewards, 4, "none", "rloo")
+    torch.testing.assert_close(rloo, torch.tensor(want, dtype=DT), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(rloo.view(-1, 4).sum(-1), torch.zeros(6, dtype=DT), rtol=0, atol=1e-12)
+    n = (~rewards.isnan()).view(-1, 4).sum(-1, keepdim=True).to(DT)
+    for scale in ("group", "batch", "none"):
+        grpo = group_advantages(rewards, 4, scale).view(-1, 4)
+        torch.testing.assert_close(group_advantages(rewards, 4, scale, "rloo").view(-1, 4),
+                                   torch.where(n > 1, grpo * n / (n - 1).clamp(min=1), 0.0), rtol=1e-12, atol=1e-14)
+
+
+def test_reinforce_pp_and_gdpo_match_the_statistics_module():
+    g = torch.Generator().manual_seed(30)
+    scores = torch.randn(16, 2, generator=g, dtype=DT) * torch.tensor([1.0, 10.0], dtype=DT)
+    scores[torch.rand(16, 2, generator=g) < 0.2] = NAN
+    scores[5] = NAN  # scored by no function
+    rewards = scores[:, 0]
+
+    def whiten(xs):  # over the valid entries; NaN -> 0
+        valid = [x for x in xs if not math.isnan(x)]
+        mean, std = statistics.mean(valid), statistics.stdev(valid)
+        return [0.0 if math.isnan(x) else (x - mean) / (std + 1e-4) for x in xs]
+    centred = reference_advantages(rewards, 4, "none").tolist()
+    centred = [NAN if math.isnan(r) else c for r, c in zip(rewards.tolist(), centred)]
+    torch.testing.assert_close(group_advantages(rewards, 4, "none", "reinforce_pp"),
+                               torch.tensor(whiten(centred), dtype=DT), rtol=1e-12, atol=1e-14)
+    weights = (1.0, 0.5)
+    per_fn = [reference_advantages(scores[:, f], 4, "group").tolist() for f in range(2)]
+    total = [NAN if math.isnan(s[0]) and math.isnan(s[1]) else weights[0] * a + weights[1] * b
+             for s, a, b in zip(scores.tolist(), *per_fn)]
+    torch.testing.assert_close(decoupled_advantages(scores, weights, 4), torch.tensor(whiten(total), dtype=DT),
+                               rtol=1e-12, atol=1e-14)
+    # summing first, the wide second reward decides every group alone; normalising first, both count
+    summed = group_advantages(scores.nan_to_num() @ torch.tensor(weights, dtype=DT), 4, "group")
+    assert not torch.allclose(summed, decoupled_advantages(scores, weights, 4))
 
 
 def test_advantages_two_completions_zero_one():
@@ -377,7 +641,8 @@ def test_batch_scaling_differs_from_group_scaling():
 
 @pytest.mark.parametrize("kw,words", [
     (dict(loss_type="ppo"), "grpo, bnpo, dr_grpo, dapo, luspo"),
-    (dict(surrogate="sapo"), "clip, cispo"),
+    (dict(surrogate="ppo"), "clip, cispo, sapo, vespo"),
+    (dict(sampler_correction="tis"), "none, token_truncate, token_mask, sequence_truncate, sequence_mask"),
     (dict(importance_sampling_level="seq"), "token, sequence"),
     (dict(kl_estimator="k4"), "k1, k2, k3"),
 ])
@@ -397,6 +662,10 @@ def test_bad_input_is_a_clear_error():
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="group, batch, none"):
         group_advantages(torch.zeros(4), 2, "std")
+    with pytest.raises(ValueError, match="grpo, rloo, reinforce_pp"):
+        group_advantages(torch.zeros(4), 2, "none", "ppo")
+    with pytest.raises(ValueError, match="set scale_rewards='none'"):
+        group_advantages(torch.zeros(4), 2, "group", "reinforce_pp")
 
 
 def test_is_flat_for_any_group_size():
