@@ -12,8 +12,9 @@ $ python bench.py --preset qwen3-0.6b --n_layer 4       # or --preset llama-3.2-
 $ python bench.py --soak                           # 200 iterations of train.py: does its memory stay flat?
 
 Sections: the machine's matmul peak (every MFU is against it), sampling (KV cache vs naive full recompute, and a
-batch where half the rows end early), the log-prob pass (chunked vs a plain full log-softmax), one training step
-(forward, GRPO loss, backward, clip, AdamW), and whole GRPO iterations of train.py itself, phase by phase.
+batch where half the rows end early), the log-prob pass (chunked, also with each token's entropy, vs a plain full
+log-softmax), one training step (forward, GRPO loss, backward, clip, AdamW), and whole GRPO iterations of train.py
+itself, phase by phase.
 """
 
 import argparse
@@ -251,9 +252,9 @@ def bench_sampling(args, model, results):
     r["early_eos_time_vs_full"] = early / full
     r["early_eos_bound_vs_full"] = (bound[0] + bound[1] - bound[2]) / full
 
-def logprob_pass(args, naive):
+def logprob_pass(args, naive, entropy=False):
     """Run in a fresh process: (seconds, peak memory above the weights and inputs in bytes) of one log-prob pass over
-    a GRPO batch, chunked or naive."""
+    a GRPO batch, chunked (with each token's entropy too if entropy) or naive."""
     model = build_model(args)
     idx, start = grpo_batch(args)
     P, T = args.prompt_len, args.new_tokens
@@ -263,19 +264,22 @@ def logprob_pass(args, naive):
             if naive:  # the plain way: (B, T, V) float32 log-softmax of every position
                 logp = model(idx).float().log_softmax(-1)
                 return logp[:, P - 1:-1].gather(2, idx[:, P:, None])
-            return model.logprobs(idx, start, T)
+            return model.logprobs(idx, start, T, entropy=entropy)
 
     return timed_peak(run, args)
 
 def bench_logprobs(args, model, results):
-    """The old/ref log-prob pass over a whole GRPO batch: model.logprobs against a plain full log-softmax."""
+    """The old/ref log-prob pass over a whole GRPO batch: model.logprobs against a plain full log-softmax, and
+    model.logprobs with entropy=True (the entropy from the same chunks) against it without."""
     r = results["logprobs"] = {}
     tokens = args.prompts * args.G * args.new_tokens
-    for name in ("chunked", "naive"):
-        seconds, peak = in_fresh_process(logprob_pass, args, name == "naive")
+    for name in ("chunked", "entropy", "naive"):
+        seconds, peak = in_fresh_process(logprob_pass, args, name == "naive", name == "entropy")
         r[f"{name}_tokens_per_s"] = tokens / seconds
         r[f"{name}_peak_mb"] = peak / 2**20
     r["peak_memory_ratio"] = r["chunked_peak_mb"] / r["naive_peak_mb"]
+    r["entropy_time_ratio"] = r["chunked_tokens_per_s"] / r["entropy_tokens_per_s"]  # seconds with / without
+    r["entropy_peak_ratio"] = r["entropy_peak_mb"] / r["chunked_peak_mb"]
 
 def train_step(args):
     """Run in a fresh process: (seconds, peak memory above the weights and batch in bytes) of one optimizer step as
@@ -289,11 +293,11 @@ def train_step(args):
 
     def step():
         for i in range(0, rows, mbs):
-            with autocast(args):
-                logps = model(idx[i:i + mbs], start[i:i + mbs], T)  # (mbs, T) float32
+            with autocast(args):  # with each token's entropy, which train.py always logs
+                logps, entropy = model(idx[i:i + mbs], start[i:i + mbs], T, entropy=True)  # (mbs, T) float32
             # num_sequences counts the whole step: the micro-batches' gradients add up to the step's
             loss, _ = grpo_loss(logps, None, None, advantages[i:i + mbs], mask[i:i + mbs], loss_type="dr_grpo",
-                                max_completion_length=T, num_sequences=rows)
+                                max_completion_length=T, num_sequences=rows, entropy=entropy)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

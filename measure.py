@@ -1,5 +1,6 @@
 """
-Measuring the machine: wall time per phase, memory, and the matmul peak that MFU is a fraction of.
+Measuring the machine: wall time per phase, memory, the matmul peak that MFU is a fraction of, and the progress
+lines of long phases.
 
 train.py logs with these and bench.py builds its numbers on them; the model and the loss never need them.
 """
@@ -68,3 +69,25 @@ def memory_mb(device):
             return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def hms(seconds):
+    """7m05s, or 01:02:03 from an hour up: for eta and elapsed times in progress lines."""
+    return time.strftime('%H:%M:%S', time.gmtime(seconds)) if seconds >= 3600 else \
+        f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
+
+
+def ticker(what, total, unit, interval):
+    """A progress line for a long phase (warm start, evaluation): tick(done) prints `what: done/total unit (elapsed,
+    eta)` at most every interval seconds (math.inf: never, as on all ranks but the first), so short phases stay
+    quiet."""
+    t0 = last = time.time()
+
+    def tick(done, extra=''):
+        nonlocal last
+        now = time.time()
+        if now - last >= interval and done < total:
+            eta = (now - t0) / done * (total - done)
+            print(f"{what}: {done}/{total} {unit}{extra} ({hms(now - t0)}, eta {hms(eta)})", flush=True)
+            last = now
+    return tick

@@ -231,19 +231,22 @@ class GPT(nn.Module):
                 x = block(x, rope, None if kv is None else kv[i], col, key_mask)
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, start=None, length=None, temperature=1.0):
+    def forward(self, idx, start=None, length=None, temperature=1.0, entropy=False):
         """Logits (B, T, vocab_size) for every position of idx (B, T): the plain reference path. Given start and
-        length it returns logprobs(idx, start, length, temperature) instead, so that the trainer's pass goes
+        length it returns logprobs(idx, start, length, temperature, entropy) instead, so that the trainer's pass goes
         through forward and a DistributedDataParallel wrapper sees it."""
         if start is not None:
-            return self.logprobs(idx, start, length, temperature)
+            return self.logprobs(idx, start, length, temperature, entropy)
         return self.lm_head(self._hidden(idx))
 
-    def logprobs(self, idx, start, length, temperature=1.0):
+    def logprobs(self, idx, start, length, temperature=1.0, entropy=False):
         """out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j], predicted from the position
-        before it, for j < length: (B, length) float32. idx (B, T) holds prompt + completion + any right padding
-        per row (causal attention never looks at the padding), start (B,) each row's prompt length. The output layer
-        runs in chunks of rows (HeadLogprobs), so a float32 (B, T, vocab) tensor never exists."""
+        before it, for j < length: (B, length) float32 (float64 for a float64 model). idx (B, T) holds prompt +
+        completion + any right padding per row (causal attention never looks at the padding), start (B,) each row's
+        prompt length. The output layer runs in chunks of rows (HeadLogprobs), so a float32 (B, T, vocab) tensor
+        never exists. entropy=True returns (out, H) instead, H[b, j] (B, length) the entropy of the same
+        softmax(logits / temperature) that out[b, j] is taken from, computed in the same chunks; gradients flow
+        through both."""
         B, T = idx.shape
         # checked when run eagerly; a compiled graph would break at the host sync
         if not torch.compiler.is_compiling() and (int(start.min()) < 1 or int(start.max()) + length > T):
@@ -254,7 +257,8 @@ class GPT(nn.Module):
         h = h.gather(1, pos[..., None].expand(-1, -1, h.size(-1))).flatten(0, 1)  # (B*length, C)
         targets = idx.gather(1, pos + 1).flatten()  # (B*length,)
         rows = max(1, 2**26 // self.config.vocab_size)  # each chunk's float32 logits stay near 256 MB
-        return HeadLogprobs.apply(h, self.lm_head.weight, targets, temperature, rows, self._dtype()).view(B, length)
+        out = HeadLogprobs.apply(h, self.lm_head.weight, targets, temperature, rows, self._dtype(), entropy)
+        return tuple(t.view(B, length) for t in out) if entropy else out.view(B, length)
 
     def _dtype(self):
         """The dtype the matmuls run in: autocast's when it is on, else the weights'."""
@@ -385,39 +389,64 @@ class GPT(nn.Module):
 
 class HeadLogprobs(torch.autograd.Function):
     """out[i] = log softmax(h[i] @ weight.T / temperature)[targets[i]] for h (n, C): the output layer and its
-    log-softmax, rows chunks of rows at a time, the matmuls in dtype, the softmax in float32. Only h is kept for
-    backward, which recomputes each chunk's softmax: d out[i] / d logits[i] = onehot(targets[i]) - softmax, and adds
+    log-softmax, rows chunks of rows at a time, the matmuls in dtype, the softmax in float32. Only h (and H) is kept
+    for backward, which recomputes each chunk's softmax: d out[i] / d logits[i] = onehot(targets[i]) - softmax, and adds
     the chunk's weight gradient into one (V, C) buffer in place, where autograd through chunks would make a fresh
-    (V, C) gradient per chunk and sum them (1.2x slower here on Qwen's 151,936-token vocabulary)."""
+    (V, C) gradient per chunk and sum them (1.2x slower here on Qwen's 151,936-token vocabulary).
+    With entropy=True it also returns the entropy H[i] = -sum_j p_j log p_j of the same p = softmax(z), z = logits /
+    temperature, from the same chunks, as (out, H); backward then adds dH / dz_j = -p_j (log p_j + H)."""
 
     @staticmethod
     def _logits(h, w, temperature):  # w: the weight already in the matmuls' dtype, cast once per pass
-        logits = (h.to(w.dtype) @ w.t()).float()  # (n, V) float32 even under autocast: the normaliser needs it
+        # (n, V) at least float32, even under autocast: the normaliser needs it (a float64 model keeps float64)
+        logits = (h.to(w.dtype) @ w.t()).to(torch.promote_types(w.dtype, torch.float32))
         return logits / temperature if temperature != 1 else logits
 
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature, rows, dtype):
-        ctx.save_for_backward(h, weight, targets)
+    def forward(ctx, h, weight, targets, temperature, rows, dtype, entropy=False):
         ctx.args = temperature, rows, dtype
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: backward skips its term
         w = weight.to(dtype)
-        return torch.cat([HeadLogprobs._logits(h[i:i + rows], w, temperature).log_softmax(-1)
-                          .gather(1, targets[i:i + rows, None]).squeeze(1) for i in range(0, len(h), rows)])
+        if not entropy:
+            ctx.save_for_backward(h, weight, targets, None)
+            return torch.cat([HeadLogprobs._logits(h[i:i + rows], w, temperature).log_softmax(-1)
+                              .gather(1, targets[i:i + rows, None]).squeeze(1) for i in range(0, len(h), rows)])
+        out, ent = [], []
+        for i in range(0, len(h), rows):
+            logp = HeadLogprobs._logits(h[i:i + rows], w, temperature).log_softmax(-1)  # (n, V)
+            out.append(logp.gather(1, targets[i:i + rows, None]).squeeze(1))
+            ent.append(logp.exp().mul_(logp).sum(-1).neg_())  # (n,) -sum_j p_j log p_j
+        out, ent = torch.cat(out), torch.cat(ent)
+        ctx.save_for_backward(h, weight, targets, ent)  # H (n,) is cheap to keep and backward needs it
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad):
-        h, weight, targets = ctx.saved_tensors
+    def backward(ctx, grad, grad_ent=None):
+        h, weight, targets, ent = ctx.saved_tensors  # ent: H (n,), or None when forward did not compute it
         temperature, rows, dtype = ctx.args
+        if grad is None and grad_ent is None:
+            return None, None, None, None, None, None, None
         grad_h, grad_w = torch.empty_like(h), torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         w = weight.to(dtype)
         for i in range(0, len(h), rows):
-            hc, g = h[i:i + rows], grad[i:i + rows, None] / temperature  # (n, C), (n, 1)
-            d = HeadLogprobs._logits(hc, w, temperature).softmax(-1).mul_(-g)
-            d = d.scatter_add_(1, targets[i:i + rows, None], g).to(dtype)  # (n, V) gradient of the chunk's logits
-            grad_h[i:i + rows] = d @ w
+            hc, sl = h[i:i + rows], slice(i, i + rows)  # (n, C)
+            g = None if grad is None else grad[sl, None] / temperature  # (n, 1); / temperature: dz/dlogits
+            if grad_ent is None:
+                d = HeadLogprobs._logits(hc, w, temperature).softmax(-1).mul_(-g)  # (n, V) -p g
+            else:  # the log-prob's -p g plus g_H dH/dz = -p g_H (log p + H), as p (-g_H log p - (g + g_H H))
+                gh = grad_ent[sl, None] / temperature  # (n, 1)
+                logp = HeadLogprobs._logits(hc, w, temperature).log_softmax(-1)  # (n, V)
+                p = logp.exp()  # (n, V)
+                d = logp.mul_(-gh).sub_(gh * ent[sl, None] + (0 if g is None else g)).mul_(p)  # (n, V) in place
+                del p  # before the matmuls: at most two (n, V) float32 tensors at a time, as without entropy
+            if g is not None:
+                d = d.scatter_add_(1, targets[sl, None], g)  # + onehot(target) g
+            d = d.to(dtype)  # (n, V) gradient of the chunk's logits
+            grad_h[sl] = d @ w
             if grad_w is None:
                 continue
             if dtype == grad_w.dtype:
                 grad_w.addmm_(d.t(), hc)
             else:  # autocast: the product in its dtype, as an autocast Linear's weight gradient, summed in float32
                 grad_w += d.t() @ hc.to(dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None

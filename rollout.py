@@ -9,6 +9,7 @@ rewards into advantages. What comes back holds, per completion row:
     start      (B,)    prompt length = index of the first completion token in idx
     mask       (B, C)  1 on completion tokens that count in the loss (C = max_completion_length)
     old_logps  (B, C)  log-probs of the sampled tokens under the sampling policy (the ratio's denominator)
+    sampler_logps (B, C)  the log-probs generate reported: old_logps itself, unless autocast made them redo it
     ref_logps  (B, C)  log-probs under the frozen reference model, only when beta > 0
     advantages (B,)
 
@@ -22,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from loss import group_advantages, kl_divergence
+from loss import decoupled_advantages, group_advantages, kl_divergence
 from measure import lap
 from reward import compute_rewards
 from tokenizer import render_chat
@@ -137,7 +138,8 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         t = lap(times, 'generate', t, device)
         rewards, truncated, _, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights)
         t = lap(times, 'reward', t, device)
-        scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]] for f in reward_fns]).T
+        scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]] for f in reward_fns],
+                              dtype=torch.float64).T
         per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated, scores=scores)
         groups = [dict(prompt=prompts[g], **{k: v[g * G:(g + 1) * G] for k, v in per_row.items()})
                   for g in range(len(rows))]  # a group = one prompt and its G completions, kept or dropped whole
@@ -156,17 +158,27 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         rounds += 1
         rows = extra_rows(train_rows, want - len(kept), it, rank, rounds, cfg)
     cat = lambda key: torch.cat([g[key] for g in kept])
-    tokens, mask, old_logps = cat('tokens'), cat('mask'), cat('logps')
+    tokens, mask, sampler_logps = cat('tokens'), cat('mask'), cat('logps')
     rewards, truncated, scores = cat('rewards'), cat('truncated'), cat('scores')
     lengths = mask.sum(1)  # completion lengths before any loss masking, for logging
 
     idx, start = pack([g['prompt'] for g in kept for _ in range(G)], tokens.tolist(), cfg.eos_ids[0])
-    batch = dict(idx=idx.to(device), start=start.to(device), mask=mask.to(device), old_logps=old_logps.to(device))
+    batch = dict(idx=idx.to(device), start=start.to(device), mask=mask.to(device),
+                 sampler_logps=sampler_logps.to(device))
+    batch['old_logps'] = batch['sampler_logps']
     t = lap(times, 'reward', t, device)  # packing the batch counts with scoring
+    mismatch = {}
     if cfg.autocast:
         # generate's log-probs are of the full temperature softmax (top-k/top-p only limit the draw), so they are
-        # the trainer's own; only low-precision sampling differs enough from the training forward to redo them
+        # the trainer's own; only low-precision sampling differs enough from the training forward to redo them.
+        # The sampler's stay in the batch for the loss's off-policy mask and sampler_correction, and how far apart
+        # the two are is logged
         batch['old_logps'] = logprobs(model, batch, cfg)
+        d = (batch['old_logps'] - batch['sampler_logps'])[batch['mask']].double()  # log(pi_old / pi_sampler)
+        s = gather(torch.stack([d.abs().sum(), d.new_tensor(d.numel()), d.max() if d.numel() else d.new_zeros(())])
+                   [None]).cpu()  # (ranks, 3): over the whole step
+        mismatch = {'sampler/logp_diff': (s[:, 0].sum() / s[:, 1].sum().clamp(min=1)).item(),
+                    'sampler/rho_max': s[:, 2].max().exp().item()}
     if ref_model is not None:
         batch['ref_logps'] = logprobs(ref_model, batch, cfg)
     if cfg.mask_truncated_completions:  # DAPO overlong filtering: a cut-off answer is neither right nor wrong
@@ -179,13 +191,15 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     if cfg.kl_in_reward:  # PPO-style: the KL penalty is part of the reward, before the group comparison
         kl = kl_divergence(batch['old_logps'], batch['ref_logps'], cfg.kl_estimator)  # (B, C)
         shaped -= cfg.beta * (kl * batch['mask']).sum(1).double().cpu()
-    all_shaped = gather(shaped.to(device)).cpu()
-    advantages = group_advantages(all_shaped, G, cfg.scale_rewards)
+    if cfg.multi_objective_aggregation == 'normalize_then_sum':  # GDPO: each reward function on its own first
+        advantages = decoupled_advantages(gather(scores.to(device)).cpu(), reward_weights, G)
+    else:
+        advantages = group_advantages(gather(shaped.to(device)).cpu(), G, cfg.scale_rewards, cfg.advantage_estimator)
     B = len(shaped)
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
     lap(times, 'comm', t, device)  # gathering the rewards dominates this part
     info = dict(time=times, rewards=rewards, scores=scores, lengths=lengths, truncated=truncated,
-                dropped_groups=dropped)
+                dropped_groups=dropped, mismatch=mismatch)
     return batch, info
 
 

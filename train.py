@@ -15,6 +15,7 @@ Batch arithmetic, per iteration (one rollout):
 loss.py's step-wide normalisers are summed over ranks and micro-batches, so the update is the same whatever the
 split: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameters.
 """
+import inspect
 import json
 import math
 import os
@@ -31,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 from configurator import check_config, check_device, configure
 from data import default_reward, load_dataset
-from loss import grpo_loss
-from measure import lap, matmul_peak, memory_mb
+from loss import entropy_threshold, grpo_loss
+from measure import hms, lap, matmul_peak, memory_mb, ticker
 from model import GPT, GPTConfig
 from tokenizer import check_template, get_tokenizer, stop_ids
 from reward import get_reward_fns, pass_at_k
@@ -86,17 +87,32 @@ top_p = None
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling = False  # DAPO: resample prompts whose groups all got the same reward
 max_resample_rounds = 4
-# loss (see loss.py for what each knob means and which paper it comes from)
+# loss (see loss.py for what each knob means and which paper it comes from; the names are TRL's GRPOConfig's)
 loss_type = 'dr_grpo'
 scale_rewards = 'none'
+advantage_estimator = 'grpo'  # the baseline: 'grpo' (group mean), 'rloo' (leave-one-out), 'reinforce_pp'
+multi_objective_aggregation = 'sum_then_normalize'  # or 'normalize_then_sum' (GDPO) for several reward functions
 beta = 0.0  # KL coefficient; 0 = no reference model at all
 kl_estimator = 'k3'
 kl_in_reward = False
+use_bias_correction_kl = False  # DeepSeek-V3.2: the KL term weighted by the importance ratio
 epsilon_low = 0.2
 epsilon_high = 0.2
 delta = None
-surrogate = 'clip'
+surrogate = 'clip'  # 'clip' (PPO), 'cispo', 'sapo' or 'vespo'
+sapo_temperature_pos = 1.0
+sapo_temperature_neg = 1.05
+vespo_k_pos = 2.0
+vespo_lambda_pos = 3.0
+vespo_k_neg = 3.0
+vespo_lambda_neg = 2.0
 importance_sampling_level = 'token'
+off_policy_mask_threshold = None  # DeepSeek-V3.2: drop negative sequences the policy has drifted this far from
+top_entropy_quantile = 1.0  # 80/20: the policy term on this share of the step's tokens, highest entropy first
+entropy_coef = 0.0  # an entropy bonus
+sampler_correction = 'none'  # TIS/MIS for sampler/trainer mismatch: 'token_truncate', 'sequence_mask', ...
+sampler_correction_clip_min = None
+sampler_correction_clip_max = 3.0
 # optimization
 num_iterations = 1  # mu: passes over each rollout batch
 steps_per_generation = 1  # optimizer steps per pass
@@ -111,6 +127,7 @@ warmup_iters = 0  # optimizer steps of linear warmup
 lr_schedule = 'constant'  # or 'cosine' (down to min_lr_ratio * learning_rate)
 min_lr_ratio = 0.1
 ref_sync_every = 0  # copy the policy into the reference model every N iterations; 0 = never
+ref_model_mixup_alpha = 1.0  # at a sync, ref = alpha * policy + (1 - alpha) * ref (TR-DPO); 1 = a copy
 max_bad_steps = 3  # stop after this many non-finite steps in a row
 # system
 device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
@@ -171,6 +188,9 @@ if not tokenizer:  # the checkpoint's own; a resumed run keeps the one it starte
 autocast = dtype in ('bfloat16', 'float16')
 cfg = SimpleNamespace(**config, world_size=world_size, autocast=autocast, ptdtype=getattr(torch, dtype))
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
+# the loss's knobs go to grpo_loss by name: its keyword arguments that are config keys (loss.py says what each does)
+loss_config = {k: config[k] for k in inspect.signature(grpo_loss).parameters if k in config}
+loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL is in the reward instead
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 
@@ -253,7 +273,7 @@ def warm_start():
         raw_model.load_state_dict(GPT.from_pretrained(path, dtype=param_dtype).state_dict())
         return 'loaded'
     opt = make_optimizer(sft_learning_rate)
-    tick = ticker('warm start', sft_iters, 'steps')
+    tick = ticker('warm start', sft_iters, 'steps', progress_interval if master else math.inf)
     for i in range(sft_iters):
         g = torch.Generator().manual_seed(prompt_seed(seed, -2, i))
         picks = torch.randint(len(train_rows), (sft_batch_size,), generator=g).tolist()
@@ -284,7 +304,7 @@ def evaluate(it):
     rows = test_rows[rank::world_size]
     seeds = [prompt_seed(seed, -1, j) for j in range(rank, len(test_rows), world_size)]  # the same draws every eval
     per, G, greedy, c, texts = max(1, prompts_per_step // world_size), num_generations, 0, [], []
-    tick = ticker(f"eval {it}", len(rows), 'prompts')
+    tick = ticker(f"eval {it}", len(rows), 'prompts', progress_interval if master else math.inf)
     for i in range(0, len(rows), per):
         part, part_seeds = rows[i:i + per], seeds[i:i + per]
         _, tokens, mask, _ = sample(raw_model, part, part_seeds, cfg, enc, temperature=0.0, num_samples=1)
@@ -302,26 +322,6 @@ def evaluate(it):
     return out, list(zip([r['prompt'] for r in rows], texts))
 
 
-def hms(seconds):
-    return time.strftime('%H:%M:%S', time.gmtime(seconds)) if seconds >= 3600 else \
-        f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
-
-
-def ticker(what, total, unit):
-    """A progress line for a long phase (warm start, evaluation): `what: done/total unit (elapsed, eta)`, printed by
-    the master at most every progress_interval seconds, so short phases stay quiet."""
-    t0 = last = time.time()
-
-    def tick(done, extra=''):
-        nonlocal last
-        now = time.time()
-        if master and now - last >= progress_interval and done < total:
-            eta = (now - t0) / done * (total - done)
-            print(f"{what}: {done}/{total} {unit}{extra} ({hms(now - t0)}, eta {hms(eta)})", flush=True)
-            last = now
-    return tick
-
-
 def get_lr(step, total):
     if step < warmup_iters:
         return learning_rate * (step + 1) / (warmup_iters + 1)
@@ -329,6 +329,21 @@ def get_lr(step, total):
         return learning_rate
     ratio = min(1.0, (step - warmup_iters) / max(1, total - warmup_iters))
     return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * ratio)))
+
+
+@torch.no_grad()
+def high_entropy_tokens(part):
+    """80/20 (top_entropy_quantile): the step's tokens whose entropy under the policy as it is is in the top share of
+    the whole step's tokens (all ranks, all micro-batches), so the choice does not depend on the split. The step's
+    rows go through the log-prob pass once more, a micro-batch at a time."""
+    entropy = []
+    for m in range(0, len(part['idx']), micro_batch_size):
+        rows = slice(m, m + micro_batch_size)
+        with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
+            entropy.append(raw_model.logprobs(part['idx'][rows], part['start'][rows], max_completion_length,
+                                              temperature, entropy=True)[1])  # (b, C)
+    entropy = torch.cat(entropy)  # (rows, C)
+    return entropy >= entropy_threshold(gather(entropy), gather(part['mask']), top_entropy_quantile)
 
 
 def policy_update(batch, optimizer, step, total_steps):
@@ -344,20 +359,20 @@ def policy_update(batch, optimizer, step, total_steps):
             part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
             # the whole step's normalisers: every micro-batch of every rank divides by the same numbers
             num_tokens = all_sum(part['mask'].sum().float())
+            if top_entropy_quantile < 1:
+                part['entropy_mask'] = high_entropy_tokens(part)
             t = lap(times, 'comm', t, dev)
             for m in range(accum):
                 mb = {k: v[m * micro_batch_size:(m + 1) * micro_batch_size] for k, v in part.items()}
                 if ddp:  # all-reduce the gradients only on the last micro-batch
                     model.require_backward_grad_sync = m == accum - 1
                 with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
-                    logps = model(mb['idx'], mb['start'], max_completion_length, temperature)  # (b, C)
+                    logps, entropy = model(mb['idx'], mb['start'], max_completion_length, temperature, True)  # (b, C)
                 loss, stats = grpo_loss(
-                    logps.float() if autocast else logps, None if on_policy else mb['old_logps'].to(logps.dtype),
-                    mb.get('ref_logps'), mb['advantages'].to(logps.dtype), mb['mask'], loss_type=loss_type,
-                    beta=0.0 if kl_in_reward else beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                    delta=delta, surrogate=surrogate, importance_sampling_level=importance_sampling_level,
-                    kl_estimator=kl_estimator, max_completion_length=max_completion_length,
-                    num_sequences=rows * world_size, num_tokens=num_tokens)
+                    logps, None if on_policy else mb['old_logps'].to(logps.dtype), mb.get('ref_logps'),
+                    mb['advantages'].to(logps.dtype), mb['mask'], **loss_config, num_sequences=rows * world_size,
+                    num_tokens=num_tokens, sampler_logps=mb['sampler_logps'].to(logps.dtype), entropy=entropy,
+                    entropy_mask=mb.get('entropy_mask'))
                 (loss * world_size).backward()  # DDP averages over ranks; the loss contract wants the sum
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().double()
@@ -477,7 +492,9 @@ for it in range(iter_start, max_iters + 1):
         break
     stop_if_signalled(it)  # an evaluation can take a while
     if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:
-        ref_model.load_state_dict(raw_model.state_dict())
+        with torch.no_grad():  # TR-DPO: ref = alpha * policy + (1 - alpha) * ref; lerp with alpha = 1 copies exactly
+            for ref_p, p in zip(ref_model.parameters(), raw_model.parameters()):
+                ref_p.lerp_(p, ref_model_mixup_alpha)
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout's randomness follows the iteration: resume is exact
     t0 = time.perf_counter()
     batch, info = rollout(raw_model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights)
@@ -504,6 +521,7 @@ for it in range(iter_start, max_iters + 1):
              train_tok_s=B * T * num_iterations * world_size / (t2 - t1), mfu=flops / (t2 - t1) / peak, dt=t2 - t0,
              mem_mb=max(mem_rollout, mem_train), **stats)
     m.update({f'reward/{f.__name__}': scores[:, j].nanmean().item() for j, f in enumerate(reward_fns)})
+    m.update(info['mismatch'])  # how far the sampler's log-probs are from the trainer's, when it recomputed them
     for k, v in info['time'].items():  # seconds per phase; 'comm' has parts in both
         m[f'time/{k}'] = v + times.pop(k, 0.0)
     m.update({f'time/{k}': v for k, v in times.items()})
@@ -511,9 +529,10 @@ for it in range(iter_start, max_iters + 1):
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
     log(m, f"iter {it}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}{others} | "
            f"flat {m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl "
-           f"{m['kl']:.4f} | clip {m['clip_ratio/region']:.3f} | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} | "
-           f"rollout {m['rollout_tok_s']:.0f} tok/s | train {m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | "
-           f"{m['dt']:.2f}s | eta {hms(eta)}" + (f" | {bad} non-finite step(s) skipped" if bad else ""))
+           f"{m['kl']:.4f} | entropy {m['entropy']:.2f} | clip {m['clip_ratio/region']:.3f} | gnorm "
+           f"{m['grad_norm']:.2f} | lr {m['lr']:.1e} | rollout {m['rollout_tok_s']:.0f} tok/s | train "
+           f"{m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | {m['dt']:.2f}s | eta {hms(eta)}" +
+        (f" | {bad} non-finite step(s) skipped" if bad else ""))
 
 if master and wandb_log:
     wandb.finish()

@@ -84,6 +84,31 @@ def test_bad_config_files(tmp_path):
     (dict(init_from='/no/such/dir'), 1, "is neither 'scratch', 'resume' nor a Hugging Face checkpoint directory"),
     (dict(init_from='resume', out_dir='/no/such/out'), 1, "holds no checkpoint"),
     (dict(top_p=1.5), 1, "top_p must be None or in (0, 1]"),
+    # the second wave of loss knobs (issue 12)
+    (dict(surrogate='sapo', sapo_temperature_neg=0.0), 1, "sapo_temperature_neg=0.0 must be > 0"),
+    (dict(surrogate='vespo', vespo_lambda_pos=-1.0), 1, "vespo_lambda_pos=-1.0 must be > 0"),
+    (dict(vespo_k_neg=-1.0), 1, "vespo_k_neg=-1.0 must be >= 0"),
+    (dict(surrogate='vespo', importance_sampling_level='sequence'), 1, "set importance_sampling_level='token'"),
+    (dict(surrogate='cispo', delta=8.0, epsilon_high=5.0), 1, "surrogate='cispo' has none: set delta=None"),
+    (dict(top_entropy_quantile=0.0), 1, "top_entropy_quantile=0.0 must be in (0, 1]; 1 = off (every token)"),
+    (dict(top_entropy_quantile=1.5), 1, "top_entropy_quantile=1.5 must be in (0, 1]"),
+    (dict(entropy_coef=float('nan')), 1, "entropy_coef=nan must be a finite number"),
+    (dict(sampler_correction='tis'), 1, "unknown sampler_correction 'tis'; choose one of none, token_truncate"),
+    (dict(sampler_correction_clip_max=0.0), 1, "sampler_correction_clip_max=0.0 must be > 0"),
+    (dict(sampler_correction_clip_min=4.0), 1, "sampler_correction_clip_min=4.0 must be None or in [0, "
+                                               "sampler_correction_clip_max=3.0)"),
+    (dict(off_policy_mask_threshold=-0.1), 1, "off_policy_mask_threshold=-0.1 must be None or >= 0"),
+    (dict(use_bias_correction_kl=True), 1, "use_bias_correction_kl=True weighs the KL term of the loss: it needs "
+                                           "beta > 0"),
+    (dict(advantage_estimator='gae'), 1, "unknown advantage_estimator 'gae'; choose one of grpo, rloo, reinforce_pp"),
+    (dict(advantage_estimator='reinforce_pp', scale_rewards='group'), 1, "reinforce_pp normalises the advantages "
+                                                                         "over the batch itself"),
+    (dict(multi_objective_aggregation='sum'), 1, "choose one of sum_then_normalize, normalize_then_sum"),
+    (dict(multi_objective_aggregation='normalize_then_sum', advantage_estimator='rloo'), 1,
+     "takes advantage_estimator='grpo' and kl_in_reward=False"),
+    (dict(ref_model_mixup_alpha=0.6), 1, "ref_model_mixup_alpha=0.6 blends the policy into the reference every "
+                                         "ref_sync_every iterations: it needs beta > 0 and ref_sync_every > 0"),
+    (dict(ref_model_mixup_alpha=0.0), 1, "ref_model_mixup_alpha=0.0 must be in (0, 1]"),
 ])
 def test_impossible_combinations(overrides, world, message):
     c = configure(DEFAULTS, [])

@@ -117,6 +117,41 @@ def test_split_invariance(policy, tmp_path):
         assert max_diff(ref[case], start) > 1e-4, case
 
 
+# issue 12's knobs, each in a run of its own (with mu = 2 where it matters only off-policy); the mixup run syncs
+# the reference once, at iteration 1
+SECOND_WAVE = {
+    'sapo': ['--surrogate=sapo', '--loss_type=grpo', '--num_iterations=2'],
+    'vespo': ['--surrogate=vespo', '--loss_type=dapo', '--num_iterations=2'],
+    'iw-kl': ['--beta=0.04', '--use_bias_correction_kl=True', '--num_iterations=2'],
+    'off-policy mask': ['--off_policy_mask_threshold=0.001', '--num_iterations=2'],
+    'top entropy + bonus': ['--top_entropy_quantile=0.3', '--entropy_coef=0.01', '--loss_type=dapo'],
+    'sampler correction': ['--sampler_correction=sequence_truncate', '--sampler_correction_clip_min=0.5'],
+    'rloo': ['--advantage_estimator=rloo'],
+    'reinforce_pp': ['--advantage_estimator=reinforce_pp', '--scale_rewards=none'],
+    'gdpo': ['--multi_objective_aggregation=normalize_then_sum', '--scale_rewards=none'],
+    'mixup': ['--beta=0.04', '--ref_sync_every=1', '--ref_model_mixup_alpha=0.5', '--max_iters=2'],
+}
+
+
+def test_second_wave_split_invariance(policy, tmp_path):
+    """Every knob of the second wave gives the same parameters on every layout, like the first wave's."""
+    results = {}
+    for layout, (ranks, micro) in LAYOUTS.items():
+        runs = [BASE + [f'--init_from={policy}', '--max_iters=1', '--scale_rewards=group', REWARDS, *knobs,
+                        f'--micro_batch_size={micro}', f'--out_dir={tmp_path}/{ranks}x{micro}/{i}']
+                for i, knobs in enumerate(SECOND_WAVE.values())]
+        launch(runs, tmp_path, TORCHRUN + ['--standalone', f'--nproc_per_node={ranks}'] if ranks > 1 else
+               [sys.executable], name=f'{ranks}x{micro}.json')
+        results[layout] = [weights(f'{tmp_path}/{ranks}x{micro}/{i}') for i in range(len(SECOND_WAVE))]
+    start = load_file(os.path.join(policy, 'model.safetensors'))
+    ref = results['1 rank x 4 micro-batches']
+    for layout, got in results.items():
+        for name, a, b in zip(SECOND_WAVE, got, ref):
+            assert max_diff(a, b) <= 1e-10, (layout, name)
+    for name, a in zip(SECOND_WAVE, ref):
+        assert max_diff(a, start) > 1e-4, name
+
+
 def test_multi_node_equals_single_node(policy, tmp_path):
     """Two torchrun 'nodes' (c10d rendezvous on localhost, one process each) = one node with two processes."""
     args = BASE + [f'--init_from={policy}', '--max_iters=2', '--loss_type=dr_grpo']

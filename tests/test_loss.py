@@ -237,13 +237,17 @@ def test_second_wave_matches_brute_force(name, ours, reference, loss_type, level
                                                                  gspo_token=True, **reference))
 
 
-def test_all_masked_row_alone_gives_zero_loss_and_gradient():
+@pytest.mark.parametrize("name,knobs", [("first wave", {})] + [k[:2] for k in KNOBS])
+def test_all_masked_row_alone_gives_zero_loss_and_gradient(name, knobs):
     logps, old, ref, adv, mask = make_batch(seed=1)
+    knobs = {k: v[2:3] if torch.is_tensor(v) else v for k, v in knobs.items()}  # entropy_mask's row too
     for loss_type in LOSS_TYPES:
         for level in ("token", "sequence"):
-            loss, grad, _ = loss_and_grad(grpo_loss, logps[2:3], old[2:3], ref[2:3], adv[2:3], mask[2:3], beta=0.1,
-                                          loss_type=loss_type, importance_sampling_level=level)
+            loss, grad, stats = loss_and_grad(ours_with_entropy, logps[2:3], old[2:3], ref[2:3], adv[2:3],
+                                              mask[2:3], **dict(dict(beta=0.1, loss_type=loss_type,
+                                              importance_sampling_level=level, sampler_logps=old[2:3]), **knobs))
             assert loss.item() == 0 and (grad == 0).all()
+            assert all(math.isfinite(v.item()) for v in stats.values())
 
 
 def test_float_mask_is_the_same_as_bool_mask():

@@ -3,16 +3,18 @@ Tests for model.py against independent references: Hugging Face's own logits for
 full-recompute decoder, brute-force log-softmax loops, and chi-square tests of the sampler.
 """
 
+import copy
 import json
 import math
 import os
 import shutil
+from contextlib import nullcontext
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, HeadLogprobs
 from sampling import sample
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gpt2-a")
@@ -200,6 +202,95 @@ def test_logprobs_match_brute_force_with_chunks_and_grad():
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
 
+# -----------------------------------------------------------------------------
+# per-token entropy from the same chunked pass, against a plain full softmax
+
+def plain_head(h, weight, targets, temperature):
+    """The full (n, V) log-softmax at once: each row's target log-prob and entropy."""
+    logp = torch.log_softmax(h @ weight.t() / temperature, -1)  # (n, V)
+    return logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+
+def head_inputs(dtype, n=23, V=50, C=16):
+    g = torch.Generator().manual_seed(0)
+    scale = torch.linspace(0.1, 3.0, n, dtype=dtype)[:, None]  # flat to peaked rows: entropies from log V to near 0
+    h = (torch.randn(n, C, generator=g, dtype=dtype) * scale).requires_grad_()
+    weight = torch.randn(V, C, generator=g, dtype=dtype, requires_grad=True)
+    return h, weight, torch.randint(0, V, (n,), generator=g)
+
+HEAD_TOL = {"float64": dict(atol=1e-10, rtol=1e-10), "float32": dict(atol=1e-5, rtol=1e-5)}
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_chunked_entropy_matches_full_softmax(dtype):
+    h, weight, targets = head_inputs(getattr(torch, dtype))
+    with torch.no_grad():
+        # 5 rows a chunk: the 23 rows are four full chunks and a ragged one of 3
+        lp, ent = HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, True)
+        only = HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, False)
+        ref_lp, ref_ent = plain_head(h.double(), weight.double(), targets, 0.7)
+    assert ent.shape == (23,) and ref_ent.min() < 0.5 and ref_ent.max() > 3.5  # log 50 = 3.9
+    torch.testing.assert_close(ent.double(), ref_ent, **HEAD_TOL[dtype])
+    torch.testing.assert_close(lp.double(), ref_lp, **HEAD_TOL[dtype])
+    assert isinstance(only, torch.Tensor) and torch.equal(only, lp)  # entropy=False: the log-probs alone, the same
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("used", ["both", "logp only", "entropy only", "entropy weighted 0"])
+def test_chunked_entropy_gradient(dtype, used):
+    """d sum(a * logp + b * entropy) / d h, weight; an output the loss leaves out gets no gradient (None)."""
+    h, weight, targets = head_inputs(getattr(torch, dtype))
+    a, b = torch.randn(2, 23, dtype=h.dtype, generator=torch.Generator().manual_seed(1))
+
+    def loss(lp, ent):
+        if used == "logp only":
+            return (a * lp).sum()
+        if used == "entropy only":
+            return (b * ent).sum()
+        return (a * lp + (0 if used == "entropy weighted 0" else b) * ent).sum()  # zeros, not None, for the 0
+
+    grads = torch.autograd.grad(loss(*HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, True)), (h, weight))
+    ref = torch.autograd.grad(loss(*plain_head(h, weight, targets, 0.7)), (h, weight))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, **HEAD_TOL[dtype])
+
+def brute_logprobs_entropy(model, idx, start, length, temperature):
+    """Every position's full log-softmax in the model's dtype: (B, length) target log-probs and entropies."""
+    logp = torch.log_softmax(model(idx) / temperature, -1)  # (B, T, V)
+    ent = -(logp.exp() * logp).sum(-1)  # (B, T)
+    pos = start[:, None] + torch.arange(length) - 1  # (B, length) the position before each target
+    rows = torch.arange(idx.size(0))[:, None]
+    return logp[rows, pos, idx.gather(1, pos + 1)], ent[rows, pos]
+
+def test_logprobs_entropy_match_brute_force_with_chunks_and_grad(monkeypatch):
+    torch.manual_seed(0)
+    apply = HeadLogprobs.apply  # 7-row chunks: 3 x 20 targets make eight full chunks and a ragged one of 4
+    monkeypatch.setattr(HeadLogprobs, "apply", lambda h, w, t, temp, rows, *rest: apply(h, w, t, temp, 7, *rest))
+    model = GPT(GPTConfig(block_size=32, vocab_size=60, n_layer=2, n_head=2, n_embd=16)).double()
+    idx, start, length = torch.randint(0, 60, (3, 32)), torch.tensor([5, 12, 1]), 20
+    a, b = torch.randn(2, 3, length, dtype=torch.float64)
+    lp, ent = model(idx, start, length, 0.7, entropy=True)  # through forward, as the trainer calls it
+    (a * lp + b * ent).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref_lp, ref_ent = brute_logprobs_entropy(model, idx, start, length, 0.7)
+    (a * ref_lp + b * ref_ent).sum().backward()
+    assert lp.shape == ent.shape == (3, length)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-10, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-10, rtol=0)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-10, rtol=1e-8)
+    with torch.no_grad():
+        assert torch.equal(model.logprobs(idx, start, length, 0.7), lp)  # entropy=False: one tensor, the same
+
+def test_logprobs_entropy_are_float32_in_float32():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=60, n_layer=1, n_head=2, n_embd=16))
+    idx, start = torch.randint(0, 60, (2, 32)), torch.tensor([3, 9])
+    with torch.no_grad():
+        lp, ent = model.logprobs(idx, start, 20, entropy=True)
+        ref_lp, ref_ent = brute_logprobs_entropy(model, idx, start, 20, 1.0)
+    assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == (2, 20)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+
 def test_forward_with_start_is_the_logprob_path(tiny, reference):
     idx, start = reference["input_ids"], torch.tensor([3, 9])
     with torch.no_grad():
@@ -363,3 +454,20 @@ def test_bf16_autocast_gives_float32_logprobs(tiny):
     assert logps.dtype == lp.dtype == torch.float32
     torch.testing.assert_close(logps, ref, atol=0.25, rtol=0)
     torch.testing.assert_close(lp, ref, atol=0.25, rtol=0)
+
+def test_bf16_autocast_entropy_is_float32_and_close(tiny, reference):
+    # the autocast path of the entropy and its gradient: bf16 matmuls, float32 softmax, a float32 weight gradient
+    idx, start = reference["input_ids"], torch.tensor([3, 5])
+    model = copy.deepcopy(tiny)  # backward fills .grad: the shared fixture stays as it is
+    out = {}
+    for name, ctx in [("float32", nullcontext()), ("bf16", torch.autocast("cpu", torch.bfloat16))]:
+        model.zero_grad()
+        with ctx:
+            lp, ent = model.logprobs(idx, start, 10, 0.9, entropy=True)
+        (lp - 0.5 * ent).sum().backward()
+        out[name] = lp, ent, torch.cat([p.grad.flatten() for p in model.parameters()])
+    (lp32, ent32, g32), (lp, ent, g) = out["float32"], out["bf16"]
+    assert lp.dtype == ent.dtype == g.dtype == torch.float32
+    torch.testing.assert_close(lp, lp32, atol=0.25, rtol=0)
+    torch.testing.assert_close(ent, ent32, atol=0.1, rtol=0)
+    assert (g - g32).norm() < 0.05 * g32.norm()
