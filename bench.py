@@ -35,6 +35,7 @@ import torch
 from loss import grpo_loss
 from measure import matmul_peak, memory_mb, timed, timed_rounds
 from model import GPT, GPTConfig
+from rollout import micro_batches
 from sampling import sample
 
 DEFAULT = dict(n_layer=6, n_head=6, n_embd=384, vocab_size=50304)  # a 30M GPT-2: the shape without --preset
@@ -61,7 +62,10 @@ def get_args(argv=None):
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
     p.add_argument("--G", type=int, default=8, help="completions per prompt")
     p.add_argument("--prompt_len", type=int, default=64)
-    p.add_argument("--new_tokens", type=int, default=128, help="completion length")
+    p.add_argument("--new_tokens", type=int, default=128, help="completion length (the longest, with --lengths)")
+    p.add_argument("--lengths", choices=["fixed", "geometric"], default="fixed",
+                   help="the training step's completion lengths: all --new_tokens, or geometric with mean 3/8 of it, "
+                        "capped at it (as real answers vary)")
     p.add_argument("--micro_batch_size", type=int, default=16, help="rows per forward/backward of a training step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype; default bfloat16 on CUDA")
@@ -71,6 +75,8 @@ def get_args(argv=None):
                    help="sequence lengths the naive sampler is timed at (0: run it for every token)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--soak", action="store_true", help="only the memory soak: 200 iterations of a tiny train.py run")
+    p.add_argument("--only", help="comma-separated sections to run (the peak always runs): " +
+                   ", ".join(s.__name__[6:] for s in SECTIONS[1:]))
     args = p.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k in DEFAULT and v is not None}
     vars(args).update({**DEFAULT, **PRESETS.get(args.preset, {}), **given})
@@ -108,10 +114,18 @@ def decode_flops(model, args, prompt_len, steps):
     return sum(rows * model.flops_per_token(prompt_len + t, backward=False) for t in range(1, steps))
 
 def grpo_batch(args):
-    """A GRPO-shaped batch of random tokens: idx (rows, prompt_len + new_tokens) and each row's prompt length."""
-    rows, P = args.prompts * args.G, args.prompt_len
-    idx = torch.randint(0, args.vocab_size, (rows, P + args.new_tokens), device=args.device)
-    return idx, torch.full((rows,), P, device=args.device)
+    """A GRPO-shaped batch of random tokens, seeded: idx (rows, prompt_len + new_tokens), each row's prompt length
+    and the completion mask (rows, new_tokens), all True, or a prefix of a geometric length with --lengths
+    geometric."""
+    rows, P, C = args.prompts * args.G, args.prompt_len, args.new_tokens
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, args.vocab_size, (rows, P + C), generator=g)
+    lengths = torch.full((rows,), C)
+    if args.lengths == "geometric":  # P(L = k) = p (1 - p)^(k - 1) with mean 1/p = 3C/8, cut at C
+        p = 8 / (3 * C)
+        lengths = (torch.log(torch.rand(rows, generator=g)) / math.log(1 - p)).ceil().clamp(1, C).long()
+    mask = torch.arange(C) < lengths[:, None]  # (rows, C)
+    return idx.to(args.device), torch.full((rows,), P, device=args.device), mask.to(args.device)
 
 def in_fresh_process(fn, *fn_args):
     """fn(*fn_args) in a new process: the CPU memory high-water mark (ru_maxrss) is per process and never goes down."""
@@ -256,7 +270,7 @@ def logprob_pass(args, naive, entropy=False):
     """Run in a fresh process: (seconds, peak memory above the weights and inputs in bytes) of one log-prob pass over
     a GRPO batch, chunked (with each token's entropy too if entropy) or naive."""
     model = build_model(args)
-    idx, start = grpo_batch(args)
+    idx, start, _ = grpo_batch(args)
     P, T = args.prompt_len, args.new_tokens
 
     def run():
@@ -284,20 +298,21 @@ def bench_logprobs(args, model, results):
 def train_step(args):
     """Run in a fresh process: (seconds, peak memory above the weights and batch in bytes) of one optimizer step as
     the trainer takes it: micro-batches of forward (the log-prob path), on-policy Dr. GRPO loss and backward
-    accumulate the gradient of the whole batch, then clip, AdamW and zero_grad."""
+    accumulate the gradient of the whole batch (in train.py's micro-batches: sorted by length, each cut to its
+    longest row), then clip, AdamW and zero_grad."""
     model = build_model(args).train()
-    idx, start = grpo_batch(args)
-    rows, T, mbs = idx.size(0), args.new_tokens, args.micro_batch_size
-    advantages, mask = torch.randn(rows, device=args.device), torch.ones(rows, T, device=args.device)
+    idx, start, mask = grpo_batch(args)
+    rows = idx.size(0)
+    batch = dict(idx=idx, start=start, mask=mask, advantages=torch.randn(rows, device=args.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device.startswith("cuda"))
 
     def step():
-        for i in range(0, rows, mbs):
+        for _, mb in micro_batches(batch, args.micro_batch_size):
             with autocast(args):  # with each token's entropy, which train.py always logs
-                logps, entropy = model(idx[i:i + mbs], start[i:i + mbs], T, entropy=True)  # (mbs, T) float32
+                logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], entropy=True)  # (b, L)
             # num_sequences counts the whole step: the micro-batches' gradients add up to the step's
-            loss, _ = grpo_loss(logps, None, None, advantages[i:i + mbs], mask[i:i + mbs], loss_type="dr_grpo",
-                                max_completion_length=T, num_sequences=rows, entropy=entropy)
+            loss, _ = grpo_loss(logps, None, None, mb['advantages'], mb['mask'], loss_type="dr_grpo",
+                                max_completion_length=args.new_tokens, num_sequences=rows, entropy=entropy)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -310,12 +325,16 @@ def bench_train_step(args, model, results):
     train_tok_s), MFU (needs the peak section first) and peak memory above the weights and batch (gradients, AdamW
     state, activations)."""
     seconds, peak = in_fresh_process(train_step, args)
-    rows, T = args.prompts * args.G, args.prompt_len + args.new_tokens
+    idx, start, mask = grpo_batch(args)
+    parts = [mb for _, mb in micro_batches(dict(idx=idx, start=start, mask=mask), args.micro_batch_size)]
+    computed = sum(mb['idx'].numel() for mb in parts)  # tokens through the model, padding included
+    flops = sum(model.update_flops(*mb['idx'].shape, mb['mask'].shape[1]) for mb in parts)
     results["train_step"] = dict(
-        rows=rows, micro_batch_size=min(args.micro_batch_size, rows), step_ms=seconds * 1e3,
-        tokens_per_s=rows * T / seconds,
-        mfu=model.update_flops(rows, T, args.new_tokens) / seconds / (results["peak"]["tflops"] * 1e12),
-        peak_mb=peak / 2**20)
+        rows=len(idx), micro_batch_size=min(args.micro_batch_size, len(idx)), lengths=args.lengths,
+        completion_len=mask.sum(1).double().mean().item(), step_ms=seconds * 1e3,
+        tokens_per_s=(start + mask.sum(1)).sum().item() / seconds,  # prompt and completion tokens, no padding
+        pad_share=1 - (start + mask.sum(1)).sum().item() / computed,
+        mfu=flops / seconds / (results["peak"]["tflops"] * 1e12), peak_mb=peak / 2**20)
 
 PHASES = ("generate", "reward", "logprobs", "backward", "optimizer", "comm")  # train.py's time/ metrics
 
@@ -375,8 +394,10 @@ def main():
                                threads=torch.get_num_threads(), torch=torch.__version__, dtype=args.dtype),
                "config": {k: v for k, v in vars(args).items() if k != "json"}}
     results["config"].update(model_type=model.config.model_type, params_m=model.get_num_params() / 1e6)
+    only = args.only.split(",") if args.only else [s.__name__[6:] for s in SECTIONS]
     for section in SECTIONS:
-        section(args, model, results)
+        if section is bench_matmul_peak or section.__name__[6:] in only:
+            section(args, model, results)
     print(f"{'section':<10} {'metric':<28} value")
     for section, metrics in results.items():
         for k, v in metrics.items():

@@ -203,9 +203,29 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     return batch, info
 
 
+def micro_batches(batch, size):
+    """Yield (rows, micro-batch) over batch's rows in micro-batches of `size` rows of similar length (sorted by
+    prompt + completion), each cut to its own longest row: idx to its longest prompt + completion, the (B, C)
+    tensors to its longest completion L, so no forward or backward work goes into padding past it. rows are the
+    indices into batch. The loss's step-wide normalisers make the update the same however rows are grouped (bnpo,
+    a mean per micro-batch, aside)."""
+    need = batch['mask'].sum(1)  # (B,) completion tokens that count: a prefix of each row
+    order = torch.argsort(batch['start'] + need, stable=True)  # (B,)
+    for m in range(0, len(order), size):
+        rows = order[m:m + size]
+        L = max(int(need[rows].max()), 1)
+        T = int(batch['start'][rows].max()) + L
+        yield rows, {k: v[rows, :T] if k == 'idx' else v[rows, :L] if v.dim() == 2 else v[rows]
+                     for k, v in batch.items()}
+
+
 @torch.inference_mode()
 def logprobs(model, batch, cfg):
-    """Log-probs of the batch's completion tokens under model (no grad), at the sampling temperature."""
-    with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
-        out = model.logprobs(batch['idx'], batch['start'], cfg.max_completion_length, cfg.temperature)
-    return out.float()
+    """Log-probs (B, C) of the batch's completion tokens under model (no grad), at the sampling temperature, a
+    micro-batch at a time; only the positions the mask counts mean anything."""
+    out = torch.zeros_like(batch['mask'], dtype=torch.float64 if cfg.dtype == 'float64' else torch.float32)
+    for rows, mb in micro_batches(batch, cfg.micro_batch_size):
+        with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
+            lp = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], cfg.temperature)  # (b, L)
+        out[rows, :lp.shape[1]] = lp.to(out.dtype)
+    return out

@@ -37,7 +37,7 @@ from measure import hms, lap, matmul_peak, memory_mb, ticker
 from model import GPT, GPTConfig
 from tokenizer import check_template, get_tokenizer, stop_ids
 from reward import get_reward_fns, pass_at_k
-from rollout import encode_prompt, gather, is_flat, pack, prompt_seed, rollout, sample, score
+from rollout import encode_prompt, gather, is_flat, micro_batches, pack, prompt_seed, rollout, sample, score
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
@@ -152,7 +152,7 @@ check_device(device)
 ddp = int(os.environ.get('RANK', -1)) != -1
 if ddp:
     use_cuda = torch.cuda.is_available() and device != 'cpu'
-    dist.init_process_group(backend='nccl' if use_cuda else 'gloo')
+    dist.init_process_group(backend='cpu:gloo,cuda:nccl' if use_cuda else 'gloo')  # small CPU tensors via gloo
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
@@ -336,13 +336,11 @@ def high_entropy_tokens(part):
     """80/20 (top_entropy_quantile): the step's tokens whose entropy under the policy as it is is in the top share of
     the whole step's tokens (all ranks, all micro-batches), so the choice does not depend on the split. The step's
     rows go through the log-prob pass once more, a micro-batch at a time."""
-    entropy = []
-    for m in range(0, len(part['idx']), micro_batch_size):
-        rows = slice(m, m + micro_batch_size)
+    entropy = torch.zeros(part['mask'].shape, device=part['mask'].device, dtype=param_dtype)  # (rows, C)
+    for rows, mb in micro_batches(part, micro_batch_size):
         with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
-            entropy.append(raw_model.logprobs(part['idx'][rows], part['start'][rows], max_completion_length,
-                                              temperature, entropy=True)[1])  # (b, C)
-    entropy = torch.cat(entropy)  # (rows, C)
+            H = raw_model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, entropy=True)[1]
+        entropy[rows, :H.shape[1]] = H.to(entropy.dtype)
     return entropy >= entropy_threshold(gather(entropy), gather(part['mask']), top_entropy_quantile)
 
 
@@ -354,6 +352,7 @@ def policy_update(batch, optimizer, step, total_steps):
     accum = rows // micro_batch_size
     on_policy = num_iterations == 1 and steps_per_generation == 1  # the sampling policy is the one we update
     sums, bad, times, t, dev = {}, 0, {}, time.perf_counter(), batch['idx'].device
+    work = torch.zeros(3, dtype=torch.float64)  # tokens through the model, those that are not padding, model FLOPs
     for _ in range(num_iterations):
         for s in range(steps_per_generation):
             part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
@@ -362,12 +361,14 @@ def policy_update(batch, optimizer, step, total_steps):
             if top_entropy_quantile < 1:
                 part['entropy_mask'] = high_entropy_tokens(part)
             t = lap(times, 'comm', t, dev)
-            for m in range(accum):
-                mb = {k: v[m * micro_batch_size:(m + 1) * micro_batch_size] for k, v in part.items()}
+            for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):  # sorted by length, cut to it
                 if ddp:  # all-reduce the gradients only on the last micro-batch
                     model.require_backward_grad_sync = m == accum - 1
                 with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
-                    logps, entropy = model(mb['idx'], mb['start'], max_completion_length, temperature, True)  # (b, C)
+                    logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, True)  # (b, L)
+                (b, T), L = mb['idx'].shape, mb['mask'].shape[1]
+                work += torch.tensor([b * T, (mb['start'] + mb['mask'].sum(1)).sum().item(),
+                                      raw_model.update_flops(b, T, L)], dtype=torch.float64)
                 loss, stats = grpo_loss(
                     logps, None if on_policy else mb['old_logps'].to(logps.dtype), mb.get('ref_logps'),
                     mb['advantages'].to(logps.dtype), mb['mask'], **loss_config, num_sequences=rows * world_size,
@@ -393,7 +394,9 @@ def policy_update(batch, optimizer, step, total_steps):
             t = lap(times, 'optimizer', t, dev)
     n = num_iterations * steps_per_generation * accum * world_size
     stats = dict(zip(sums, (all_sum(torch.stack(list(sums.values()))) / n).tolist()))
-    stats.update(grad_norm=norm.item(), lr=get_lr(max(step - 1, 0), total_steps))
+    stats.update(grad_norm=norm.item(), lr=get_lr(max(step - 1, 0), total_steps), flops=work[2].item())
+    tokens, real = all_sum(work[:2]).tolist()
+    stats.update(train_tokens=tokens, pad_share=1 - real / tokens)  # over all ranks
     return stats, step, bad, times
 
 
@@ -510,15 +513,13 @@ for it in range(iter_start, max_iters + 1):
     # logging: gathered over ranks first, so the line describes the whole step
     rewards, scores, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
                                            for k in ('rewards', 'scores', 'lengths', 'truncated'))
-    B, T = batch['idx'].shape
-    flops = raw_model.update_flops(B * num_iterations, T, max_completion_length)  # this rank's, in the update
     m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(),
              acc=(scores[:, 0].nan_to_num() >= 1).double().mean().item(),
              flat_groups=is_flat(rewards, num_generations).double().mean().item(),
              len_mean=lengths.mean().item(), len_max=lengths.max().item(), truncated=truncated.mean().item(),
              dropped_groups=info['dropped_groups'], bad_steps=bad,
              rollout_tok_s=lengths.sum().item() / info['time']['generate'],
-             train_tok_s=B * T * num_iterations * world_size / (t2 - t1), mfu=flops / (t2 - t1) / peak, dt=t2 - t0,
+             train_tok_s=stats.pop('train_tokens') / (t2 - t1), mfu=stats.pop('flops') / (t2 - t1) / peak, dt=t2 - t0,
              mem_mb=max(mem_rollout, mem_train), **stats)
     m.update({f'reward/{f.__name__}': scores[:, j].nanmean().item() for j, f in enumerate(reward_fns)})
     m.update(info['mismatch'])  # how far the sampler's log-probs are from the trainer's, when it recomputed them

@@ -102,16 +102,13 @@ def test_split_invariance(policy, tmp_path):
         runs = [BASE + [f'--init_from={policy}', '--max_iters=1', f'--loss_type={lt}', f'--beta={beta}',
                         f'--num_iterations={mu}', f'--micro_batch_size={micro}', '--scale_rewards=group', REWARDS,
                         f'--out_dir={tmp_path}/{ranks}x{micro}/{lt}-{beta}-{mu}'] for lt, beta, mu in CASES]
-        runs.append(BASE + [f'--init_from={policy}', '--max_iters=1', '--loss_type=bnpo', '--micro_batch_size=4',
-                            REWARDS, f'--out_dir={tmp_path}/{ranks}x{micro}/bnpo'])
         launch(runs, tmp_path, TORCHRUN + ['--standalone', f'--nproc_per_node={ranks}'] if ranks > 1 else
                [sys.executable], name=f'{ranks}x{micro}.json')
         results[layout] = {c: weights(f'{tmp_path}/{ranks}x{micro}/{c[0]}-{c[1]}-{c[2]}') for c in CASES}
-        results[layout]['bnpo'] = weights(f'{tmp_path}/{ranks}x{micro}/bnpo')
     start = load_file(os.path.join(policy, 'model.safetensors'))
     ref = results['1 rank x 4 micro-batches']
     for layout, got in results.items():
-        for case in CASES + ['bnpo']:  # bnpo keeps micro_batch_size=4 on every layout
+        for case in CASES:  # bnpo, a mean per micro-batch, depends on which rows share one (they are sorted by length)
             assert max_diff(got[case], ref[case]) <= 1e-10, (layout, case)
     for case in CASES:  # and the step did something
         assert max_diff(ref[case], start) > 1e-4, case

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from model import GPT
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.listdir(os.path.join(ROOT, 'config')))
@@ -155,3 +155,31 @@ def test_nothing_imports_bench():
             names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
                 [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
             assert 'bench' not in names, f
+
+
+def test_micro_batches_are_sorted_by_length_and_cut_to_their_longest_row():
+    """rollout.micro_batches: every row once, similar lengths together, no column past a micro-batch's longest row;
+    and the log-prob pass run through them equals one pass over the whole padded batch."""
+    from rollout import logprobs, micro_batches
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(0)
+    B, C = 10, 7
+    start = torch.randint(1, 6, (B,), generator=g)
+    need = torch.randint(0, C + 1, (B,), generator=g)
+    need[3] = C  # one row runs to the limit
+    mask = torch.arange(C) < need[:, None]  # (B, C) prefixes, one of them maybe empty
+    batch = dict(idx=torch.randint(0, 50, (B, 5 + C), generator=g), start=start, mask=mask,
+                 advantages=torch.randn(B, generator=g))
+    seen = []
+    for rows, mb in micro_batches(batch, 3):
+        L = max(int(need[rows].max()), 1)
+        assert mb['mask'].shape == (len(rows), L) and mb['idx'].shape == (len(rows), int(start[rows].max()) + L)
+        assert torch.equal(mb['mask'], mask[rows, :L]) and torch.equal(mb['advantages'], batch['advantages'][rows])
+        seen.append(rows)
+    assert sorted(torch.cat(seen).tolist()) == list(range(B))
+    totals = [(start + need)[r] for r in seen]
+    assert all(a.max() <= b.min() for a, b in zip(totals, totals[1:]))  # sorted: no overlap between micro-batches
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).double()
+    cfg = SimpleNamespace(micro_batch_size=3, dtype='float64', ptdtype=torch.float64, autocast=False, temperature=0.7)
+    whole = model.logprobs(batch['idx'], start, C, 0.7)  # (B, C) in one pass, padded to the longest row
+    torch.testing.assert_close(logprobs(model, batch, cfg)[mask], whole[mask], rtol=1e-12, atol=1e-12)
