@@ -211,6 +211,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     # carries the gradient of x, so r is exactly 1 (the clip never fires) and grad r = grad logp, the policy gradient.
     if old_logps is None:
         old_logps = logps.detach()
+    reported = sampler_logps is not None
     sampler_logps = old_logps.detach() if sampler_logps is None else sampler_logps
     token_log_ratio = torch.where(valid, logps - old_logps, 0.0)  # (B, T) masked before exp: no inf * 0 = NaN
     log_ratio = token_log_ratio
@@ -293,6 +294,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         "ratio/mean": _masked_mean(ratio, valid),
         "ratio/max": torch.where(valid, ratio, 0.0).max(),  # ratios are > 0, so 0 marks an empty batch
     }
+    if reported:  # the gap between the log-probs the sampler reported and the trainer's own (bf16 sampling)
+        stats["sampler/logp_diff"] = _masked_mean((old_logps - sampler_logps).abs(), valid)
+        stats["sampler/rho_max"] = torch.where(valid, old_logps - sampler_logps, -math.inf).max().exp()
     if entropy is not None:
         stats["entropy"] = _masked_mean(entropy, valid)
     if off_policy_mask_threshold is not None:

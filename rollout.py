@@ -167,18 +167,12 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
                  sampler_logps=sampler_logps.to(device))
     batch['old_logps'] = batch['sampler_logps']
     t = lap(times, 'reward', t, device)  # packing the batch counts with scoring
-    mismatch = {}
-    if cfg.autocast:
+    if cfg.autocast and not cfg.on_policy:
         # generate's log-probs are of the full temperature softmax (top-k/top-p only limit the draw), so they are
         # the trainer's own; only low-precision sampling differs enough from the training forward to redo them.
-        # The sampler's stay in the batch for the loss's off-policy mask and sampler_correction, and how far apart
-        # the two are is logged
+        # On-policy the loss takes the training forward's own (logp.detach()) and needs no pass of its own. The
+        # sampler's stay in the batch for the off-policy mask and sampler_correction; the loss logs the gap
         batch['old_logps'] = logprobs(model, batch, cfg)
-        d = (batch['old_logps'] - batch['sampler_logps'])[batch['mask']].double()  # log(pi_old / pi_sampler)
-        s = gather(torch.stack([d.abs().sum(), d.new_tensor(d.numel()), d.max() if d.numel() else d.new_zeros(())])
-                   [None]).cpu()  # (ranks, 3): over the whole step
-        mismatch = {'sampler/logp_diff': (s[:, 0].sum() / s[:, 1].sum().clamp(min=1)).item(),
-                    'sampler/rho_max': s[:, 2].max().exp().item()}
     if ref_model is not None:
         batch['ref_logps'] = logprobs(ref_model, batch, cfg)
     if cfg.mask_truncated_completions:  # DAPO overlong filtering: a cut-off answer is neither right nor wrong
@@ -199,7 +193,7 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
     lap(times, 'comm', t, device)  # gathering the rewards dominates this part
     info = dict(time=times, rewards=rewards, scores=scores, lengths=lengths, truncated=truncated,
-                dropped_groups=dropped, mismatch=mismatch)
+                dropped_groups=dropped)
     return batch, info
 
 
@@ -220,12 +214,15 @@ def micro_batches(batch, size):
 
 
 @torch.inference_mode()
-def logprobs(model, batch, cfg):
+def logprobs(model, batch, cfg, entropy=False):
     """Log-probs (B, C) of the batch's completion tokens under model (no grad), at the sampling temperature, a
-    micro-batch at a time; only the positions the mask counts mean anything."""
-    out = torch.zeros_like(batch['mask'], dtype=torch.float64 if cfg.dtype == 'float64' else torch.float32)
+    micro-batch at a time; with entropy=True also each position's entropy (B, C). Only the positions the mask
+    counts mean anything."""
+    out = torch.zeros((1 + entropy, *batch['mask'].shape), device=batch['mask'].device,
+                      dtype=torch.float64 if cfg.dtype == 'float64' else torch.float32)  # (1 or 2, B, C)
     for rows, mb in micro_batches(batch, cfg.micro_batch_size):
         with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
-            lp = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], cfg.temperature)  # (b, L)
-        out[rows, :lp.shape[1]] = lp.to(out.dtype)
-    return out
+            got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], cfg.temperature, entropy)  # (b, L)
+        for o, x in zip(out, got if entropy else (got,)):
+            o[rows, :x.shape[1]] = x.to(o.dtype)
+    return tuple(out) if entropy else out[0]

@@ -37,7 +37,8 @@ from measure import hms, lap, matmul_peak, memory_mb, ticker
 from model import GPT, GPTConfig
 from tokenizer import check_template, get_tokenizer, stop_ids
 from reward import get_reward_fns, pass_at_k
-from rollout import encode_prompt, gather, is_flat, micro_batches, pack, prompt_seed, rollout, sample, score
+from rollout import (encode_prompt, gather, is_flat, logprobs, micro_batches, pack, prompt_seed, rollout,
+                     sample, score)
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
@@ -186,7 +187,8 @@ if not tokenizer:  # the checkpoint's own; a resumed run keeps the one it starte
     own = any(os.path.exists(os.path.join(init_from, f)) for f in ('tokenizer.json', 'vocab.json'))
     tokenizer = config['tokenizer'] = state['config']['tokenizer'] if state else init_from if own else 'bytes'
 autocast = dtype in ('bfloat16', 'float16')
-cfg = SimpleNamespace(**config, world_size=world_size, autocast=autocast, ptdtype=getattr(torch, dtype))
+cfg = SimpleNamespace(**config, world_size=world_size, autocast=autocast, ptdtype=getattr(torch, dtype),
+                      on_policy=num_iterations == 1 and steps_per_generation == 1)  # one update per rollout
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 # the loss's knobs go to grpo_loss by name: its keyword arguments that are config keys (loss.py says what each does)
 loss_config = {k: config[k] for k in inspect.signature(grpo_loss).parameters if k in config}
@@ -264,9 +266,8 @@ def all_sum(x):
 def warm_start():
     """Supervised cold start on the train answers, cached in out_dir/warmstart (reused while its config matches)."""
     keys = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
-            'vocab_size',
-            'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size', 'sft_learning_rate',
-            'seed')
+            'vocab_size', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',
+            'sft_learning_rate', 'seed')
     spec = {k: config[k] for k in keys}
     path = os.path.join(out_dir, 'warmstart')
     if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:
@@ -331,26 +332,12 @@ def get_lr(step, total):
     return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * ratio)))
 
 
-@torch.no_grad()
-def high_entropy_tokens(part):
-    """80/20 (top_entropy_quantile): the step's tokens whose entropy under the policy as it is is in the top share of
-    the whole step's tokens (all ranks, all micro-batches), so the choice does not depend on the split. The step's
-    rows go through the log-prob pass once more, a micro-batch at a time."""
-    entropy = torch.zeros(part['mask'].shape, device=part['mask'].device, dtype=param_dtype)  # (rows, C)
-    for rows, mb in micro_batches(part, micro_batch_size):
-        with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
-            H = raw_model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, entropy=True)[1]
-        entropy[rows, :H.shape[1]] = H.to(entropy.dtype)
-    return entropy >= entropy_threshold(gather(entropy), gather(part['mask']), top_entropy_quantile)
-
-
 def policy_update(batch, optimizer, step, total_steps):
     """mu passes of steps_per_generation optimizer steps over the rollout batch.
     Returns (stats, step count, non-finite steps skipped, seconds per phase)."""
     B = batch['idx'].shape[0]
     rows = B // steps_per_generation  # this rank's completions per optimizer step
     accum = rows // micro_batch_size
-    on_policy = num_iterations == 1 and steps_per_generation == 1  # the sampling policy is the one we update
     sums, bad, times, t, dev = {}, 0, {}, time.perf_counter(), batch['idx'].device
     work = torch.zeros(3, dtype=torch.float64)  # tokens through the model, those that are not padding, model FLOPs
     for _ in range(num_iterations):
@@ -358,8 +345,11 @@ def policy_update(batch, optimizer, step, total_steps):
             part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
             # the whole step's normalisers: every micro-batch of every rank divides by the same numbers
             num_tokens = all_sum(part['mask'].sum().float())
-            if top_entropy_quantile < 1:
-                part['entropy_mask'] = high_entropy_tokens(part)
+            if top_entropy_quantile < 1:  # 80/20: the top share by entropy under the policy as it is now, over the
+                # whole step (all ranks, all micro-batches), so the choice does not depend on the split
+                entropy = logprobs(raw_model, part, cfg, entropy=True)[1]  # (rows, C)
+                part['entropy_mask'] = entropy >= entropy_threshold(gather(entropy), gather(part['mask']),
+                                                                    top_entropy_quantile)
             t = lap(times, 'comm', t, dev)
             for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):  # sorted by length, cut to it
                 if ddp:  # all-reduce the gradients only on the last micro-batch
@@ -370,7 +360,7 @@ def policy_update(batch, optimizer, step, total_steps):
                 work += torch.tensor([b * T, (mb['start'] + mb['mask'].sum(1)).sum().item(),
                                       raw_model.update_flops(b, T, L)], dtype=torch.float64)
                 loss, stats = grpo_loss(
-                    logps, None if on_policy else mb['old_logps'].to(logps.dtype), mb.get('ref_logps'),
+                    logps, None if cfg.on_policy else mb['old_logps'].to(logps.dtype), mb.get('ref_logps'),
                     mb['advantages'].to(logps.dtype), mb['mask'], **loss_config, num_sequences=rows * world_size,
                     num_tokens=num_tokens, sampler_logps=mb['sampler_logps'].to(logps.dtype), entropy=entropy,
                     entropy_mask=mb.get('entropy_mask'))
@@ -522,7 +512,6 @@ for it in range(iter_start, max_iters + 1):
              train_tok_s=stats.pop('train_tokens') / (t2 - t1), mfu=stats.pop('flops') / (t2 - t1) / peak, dt=t2 - t0,
              mem_mb=max(mem_rollout, mem_train), **stats)
     m.update({f'reward/{f.__name__}': scores[:, j].nanmean().item() for j, f in enumerate(reward_fns)})
-    m.update(info['mismatch'])  # how far the sampler's log-probs are from the trainer's, when it recomputed them
     for k, v in info['time'].items():  # seconds per phase; 'comm' has parts in both
         m[f'time/{k}'] = v + times.pop(k, 0.0)
     m.update({f'time/{k}': v for k, v in times.items()})

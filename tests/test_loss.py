@@ -143,6 +143,11 @@ def reference_loss(logps, old, ref, adv, mask, loss_type="grpo", beta=0.0, eps_l
              "clip_ratio/region": mean([lo or hi for lo, hi in zip(lows, highs)]),
              "ratio/mean": mean(ratios), "ratio/max": max(ratios, default=0.0),
              "entropy": mean([e.item() for e in entropies])}
+    if sampler is not None:
+        gaps = [o.item() - sampler[i, t].item() for i, toks in enumerate(rows) for t, o in
+                zip(toks, [logps[i, t].detach() if old is None else old[i, t] for t in toks])]
+        stats["sampler/logp_diff"] = mean([abs(x) for x in gaps])
+        stats["sampler/rho_max"] = max((math.exp(x) for x in gaps), default=0.0)
     if off_policy is not None:
         stats["off_policy_masked"] = mean(dropped)
     if correction != "none":

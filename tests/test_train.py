@@ -183,3 +183,13 @@ def test_micro_batches_are_sorted_by_length_and_cut_to_their_longest_row():
     cfg = SimpleNamespace(micro_batch_size=3, dtype='float64', ptdtype=torch.float64, autocast=False, temperature=0.7)
     whole = model.logprobs(batch['idx'], start, C, 0.7)  # (B, C) in one pass, padded to the longest row
     torch.testing.assert_close(logprobs(model, batch, cfg)[mask], whole[mask], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize('dtype,mu', [('float32', 1), ('bfloat16', 1), ('bfloat16', 2)])
+def test_sampler_gap_is_logged(tmp_path, dtype, mu):
+    """sampler/logp_diff: mean |log-prob the trainer uses - the sampler's|. In float32 the two are the same numbers
+    up to rounding; under bf16 autocast they differ (on-policy the training forward's own serve, with no pass of
+    their own; off-policy the rollout recomputes them)."""
+    run(['config/dr_grpo.py', '--max_iters=2', f'--dtype={dtype}', f'--num_iterations={mu}'], tmp_path)
+    gaps = [m['sampler/logp_diff'] for m in metrics(tmp_path) if 'reward' in m]
+    assert len(gaps) == 2 and all(0 <= g < (1e-4 if dtype == 'float32' else 0.5) for g in gaps), gaps
