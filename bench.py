@@ -341,10 +341,16 @@ PHASES = ("generate", "reward", "logprobs", "backward", "optimizer", "comm")  # 
 def bench_iteration(args, model, results):
     """Whole GRPO iterations of train.py itself at this model shape, from its own metrics: each phase's seconds and
     share of the iteration, rollout and training tokens/s, MFU (against the peak section's) and memory (train.py's
-    mem_mb: peak allocated on CUDA, resident on CPU). The prompts are the default task's (~6 tokens), not
-    --prompt_len; a random model rarely samples the eos, so completions run to --new_tokens. Of 4 iterations the
-    first is warm-up and the other 3 are averaged."""
+    mem_mb: peak allocated on CUDA, resident on CPU). The prompts are --prompt_len random letters (one token each
+    with the byte tokenizer train.py then uses); a random model rarely samples the eos, so completions run to
+    --new_tokens. Of 4 iterations the first is warm-up and the other 3 are averaged."""
     with tempfile.TemporaryDirectory() as out_dir:
+        g = torch.Generator().manual_seed(4)
+        for split in ("train", "test"):  # a task file: prompts of the asked length, answers no one will match
+            with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
+                for _ in range(max(64, args.prompts)):
+                    letters = torch.randint(97, 123, (args.prompt_len,), generator=g).tolist()
+                    f.write(json.dumps(dict(prompt="".join(map(chr, letters)), answer="0")) + "\n")
         if model.config.model_type == "gpt2":
             shape = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab_size)
         else:  # train.py builds only GPT-2 from scratch; it starts any other family from this model's checkpoint
@@ -353,14 +359,14 @@ def bench_iteration(args, model, results):
         its = run_train(args, out_dir, **shape, block_size=args.block_size, prompts_per_step=args.prompts,
                         num_generations=args.G, max_completion_length=args.new_tokens,
                         micro_batch_size=math.gcd(args.micro_batch_size, args.prompts * args.G),
-                        eval_interval=0, save_interval=5, max_iters=4, peak_flops=results["peak"]["tflops"] * 1e12)
+                        eval_interval=0, save_interval=5, max_iters=4, peak_flops=results["peak"]["tflops"] * 1e12,
+                        task=os.path.join(out_dir, "{split}.jsonl"))
     mean = lambda key: sum(m[key] for m in its[1:]) / len(its[1:])
-    r = results["iteration"] = dict(prompts="the default task's (~6 tokens), not --prompt_len",
-                                    completion_len=mean("len_mean"), dt_s=mean("dt"))
+    r = results["iteration"] = dict(prompt_len=args.prompt_len, completion_len=mean("len_mean"), dt_s=mean("dt"))
     for phase in PHASES:
         r[f"{phase}_s"] = mean(f"time/{phase}")
         r[f"{phase}_share"] = r[f"{phase}_s"] / r["dt_s"]
-    r.update({k: mean(k) for k in ("rollout_tok_s", "train_tok_s", "mfu", "mem_mb")})
+    r.update({k: mean(k) for k in ("rollout_tok_s", "train_tok_s", "pad_share", "mfu", "mem_mb")})
 
 SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration]
 
