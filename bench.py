@@ -296,17 +296,19 @@ def bench_logprobs(args, model, results):
     r["entropy_peak_ratio"] = r["entropy_peak_mb"] / r["chunked_peak_mb"]
 
 def train_step(args):
-    """Run in a fresh process: (seconds, peak memory above the weights and batch in bytes) of one optimizer step as
-    the trainer takes it: micro-batches of forward (the log-prob path), on-policy Dr. GRPO loss and backward
-    accumulate the gradient of the whole batch (in train.py's micro-batches: sorted by length, each cut to its
-    longest row), then clip, AdamW and zero_grad."""
+    """Run in a fresh process: (seconds, peak memory above the weights and batch in bytes, time against the same
+    rows at full length or None) of one optimizer step as the trainer takes it: micro-batches of forward (the
+    log-prob path), on-policy Dr. GRPO loss and backward accumulate the gradient of the whole batch (in train.py's
+    micro-batches: sorted by length, each cut to its longest row), then clip, AdamW and zero_grad. With --lengths
+    geometric, the step is also timed in turn with the same rows at full length, which is what every row cost when
+    micro-batches were padded to the rollout's longest completion."""
     model = build_model(args).train()
     idx, start, mask = grpo_batch(args)
     rows = idx.size(0)
     batch = dict(idx=idx, start=start, mask=mask, advantages=torch.randn(rows, device=args.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device.startswith("cuda"))
 
-    def step():
+    def step(batch=batch):
         for _, mb in micro_batches(batch, args.micro_batch_size):
             with autocast(args):  # with each token's entropy, which train.py always logs
                 logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], entropy=True)  # (b, L)
@@ -318,13 +320,18 @@ def train_step(args):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return timed_peak(step, args)
+    seconds, peak = timed_peak(step, args)
+    if args.lengths == "fixed":
+        return seconds, peak, None
+    full = dict(batch, mask=torch.ones_like(mask))
+    short, long = timed_rounds([step, lambda: step(full)], args.device, args.repeat)
+    return seconds, peak, short / long
 
 def bench_train_step(args, model, results):
     """One training step over the whole GRPO batch: tokens/s (prompt and completion tokens, as train.py's
     train_tok_s), MFU (needs the peak section first) and peak memory above the weights and batch (gradients, AdamW
     state, activations)."""
-    seconds, peak = in_fresh_process(train_step, args)
+    seconds, peak, vs_full = in_fresh_process(train_step, args)
     idx, start, mask = grpo_batch(args)
     parts = [mb for _, mb in micro_batches(dict(idx=idx, start=start, mask=mask), args.micro_batch_size)]
     computed = sum(mb['idx'].numel() for mb in parts)  # tokens through the model, padding included
@@ -335,6 +342,8 @@ def bench_train_step(args, model, results):
         tokens_per_s=(start + mask.sum(1)).sum().item() / seconds,  # prompt and completion tokens, no padding
         pad_share=1 - (start + mask.sum(1)).sum().item() / computed,
         mfu=flops / seconds / (results["peak"]["tflops"] * 1e12), peak_mb=peak / 2**20)
+    if vs_full is not None:
+        results["train_step"]["time_vs_full_length"] = vs_full
 
 PHASES = ("generate", "reward", "logprobs", "backward", "optimizer", "comm")  # train.py's time/ metrics
 
