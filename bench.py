@@ -161,8 +161,15 @@ def run_train(args, out_dir, env=None, **overrides):
 # sections
 
 def bench_matmul_peak(args, model, results):
-    flops, what = matmul_peak(args.device, getattr(torch, args.dtype), max(args.repeat, 5))
-    results["peak"] = dict(matmul=what, tflops=flops / 1e12)
+    """The big square matmul's rate in the dtype the matmuls run in (every MFU is against it), and the output
+    layer's at 64 rows, (64, n_embd) @ (n_embd, vocab): the practical ceiling of a decode step, whose matmuls are
+    that thin."""
+    dtype = getattr(torch, args.dtype)
+    flops, what = matmul_peak(args.device, dtype, max(args.repeat, 5))
+    h, w = (torch.randn(n, args.n_embd, device=args.device, dtype=dtype) for n in (64, args.vocab_size))
+    head = timed(lambda: h @ w.t(), args.device, max(args.repeat, 5))
+    results["peak"] = dict(matmul=what, tflops=flops / 1e12, head64_tflops=2 * 64 * args.n_embd * args.vocab_size /
+                           head / 1e12)
 
 def naive_generate(model, args, prompts, steps):
     """The baseline: no cache, every step recomputes the whole sequence (only the last position goes through the
@@ -227,6 +234,7 @@ def bench_sampling(args, model, results):
     r = results["sampling"] = dict(rows=rows, prefill_ms=prefill * 1e3, decode_ms=decode * 1e3,
                                    generated_tokens_per_s=rows * T / total, decode_tokens_per_s=rows * (T - 1) / decode)
     r["decode_mfu"] = decode_flops(model, args, args.prompt_len, T) / decode / (results["peak"]["tflops"] * 1e12)
+    r["decode_vs_head64"] = r["decode_mfu"] * results["peak"]["tflops"] / results["peak"]["head64_tflops"]
     r["decode_matmul_share"] = in_fresh_process(matmul_share, args)
     r["naive_ms"] = naive * 1e3
     r["decode_overhead_share"] = decode_overhead(args, T) / (decode / (T - 1))
