@@ -37,6 +37,7 @@ from measure import matmul_peak, memory_mb, timed, timed_rounds
 from model import GPT, GPTConfig
 from rollout import micro_batches
 from sampling import sample
+from tokenizer import get_tokenizer
 
 DEFAULT = dict(n_layer=6, n_head=6, n_embd=384, vocab_size=50304)  # a 30M GPT-2: the shape without --preset
 # the GPTConfig fields of real models (their config.json); the Llama family has no biases but Qwen2's q/k/v ones
@@ -64,8 +65,8 @@ def get_args(argv=None):
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--new_tokens", type=int, default=128, help="completion length (the longest, with --lengths)")
     p.add_argument("--lengths", choices=["fixed", "geometric"], default="fixed",
-                   help="the training step's completion lengths: all --new_tokens, or geometric with mean 3/8 of it, "
-                        "capped at it (as real answers vary)")
+                   help="completion lengths of the training step and the iteration: all --new_tokens, or geometric "
+                        "with mean 3/8 of it, capped at it (as real answers vary)")
     p.add_argument("--micro_batch_size", type=int, default=16, help="rows per forward/backward of a training step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype; default bfloat16 on CUDA")
@@ -355,12 +356,24 @@ def bench_train_step(args, model, results):
 
 PHASES = ("generate", "reward", "logprobs", "backward", "optimizer", "comm")  # train.py's time/ metrics
 
+def end_geometrically(model, eos, mean):
+    """Edit a random GPT-2 so that every position gives eos about the same logit, log(V / (mean - 1)): each decode
+    step then ends a row with probability ~1/mean, and completion lengths are about geometric. The final norm's
+    bias gets a large component on channel 0, which only eos's row of the (tied) output layer reads."""
+    if model.config.model_type != "gpt2" or not model.config.bias:
+        raise ValueError("--lengths geometric for the iteration needs a GPT-2 shape with biases (the final norm's)")
+    with torch.no_grad():
+        model.transformer.ln_f.bias.zero_()[0] = 100.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[eos, 0] = math.log(model.config.vocab_size / (mean - 1)) / 100.0
+
 def bench_iteration(args, model, results):
     """Whole GRPO iterations of train.py itself at this model shape, from its own metrics: each phase's seconds and
     share of the iteration, rollout and training tokens/s, MFU (against the peak section's) and memory (train.py's
     mem_mb: peak allocated on CUDA, resident on CPU). The prompts are --prompt_len random letters (one token each
     with the byte tokenizer train.py then uses); a random model rarely samples the eos, so completions run to
-    --new_tokens. Of 4 iterations the first is warm-up and the other 3 are averaged."""
+    --new_tokens, or about geometrically with --lengths geometric (end_geometrically). Of 4 iterations the first is
+    warm-up and the other 3 are averaged."""
     with tempfile.TemporaryDirectory() as out_dir:
         g = torch.Generator().manual_seed(4)
         for split in ("train", "test"):  # a task file: prompts of the asked length, answers no one will match
@@ -368,10 +381,13 @@ def bench_iteration(args, model, results):
                 for _ in range(max(64, args.prompts)):
                     letters = torch.randint(97, 123, (args.prompt_len,), generator=g).tolist()
                     f.write(json.dumps(dict(prompt="".join(map(chr, letters)), answer="0")) + "\n")
-        if model.config.model_type == "gpt2":
+        if model.config.model_type == "gpt2" and args.lengths == "fixed":
             shape = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab_size)
         else:  # train.py builds only GPT-2 from scratch; it starts any other family from this model's checkpoint
             shape = dict(init_from=os.path.join(out_dir, "random_init"))
+            if args.lengths == "geometric":
+                model = build_model(args)  # a copy: the other sections keep theirs
+                end_geometrically(model, get_tokenizer("bytes").eot_token, 3 * args.new_tokens / 8)
             model.save_pretrained(shape["init_from"])
         its = run_train(args, out_dir, **shape, block_size=args.block_size, prompts_per_step=args.prompts,
                         num_generations=args.G, max_completion_length=args.new_tokens,
