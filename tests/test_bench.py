@@ -1,0 +1,39 @@
+"""bench.py runs end to end at a tiny shape, every section, both length settings: a smoke test that keeps the tool
+every speed number in README.md comes from from rotting. Nothing here is timed or compared to a speed."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--prompts=2', '--G=2', '--prompt_len=16', '--new_tokens=16', '--n_layer=1', '--n_embd=32', '--n_head=2',
+        '--vocab_size=300', '--repeat=1', '--micro_batch_size=2']
+
+
+@pytest.mark.parametrize('lengths', ['fixed', 'geometric'])
+def test_bench_runs_every_section(tmp_path, lengths):
+    out = tmp_path / 'bench.json'
+    p = subprocess.run([sys.executable, 'bench.py', *TINY, f'--lengths={lengths}', f'--json={out}'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert {'peak', 'sampling', 'logprobs', 'train_step', 'iteration'} <= r.keys()
+    numbers = [v for section in r.values() for v in section.values() if isinstance(v, float)]
+    assert all(math.isfinite(v) for v in numbers)
+    for section in ('train_step', 'iteration'):
+        assert 0 < r[section]['completion_len'] <= 16 and 0 <= r[section]['pad_share'] < 1
+    if lengths == 'fixed':
+        assert r['train_step']['pad_share'] == 0 and r['train_step']['completion_len'] == 16
+    else:  # shorter rows than the limit, so sorting them had padding to cut
+        assert r['train_step']['completion_len'] < 16 and 'time_vs_full_length' in r['train_step']
+
+
+def test_bench_only_runs_the_named_sections(tmp_path):
+    out = tmp_path / 'bench.json'
+    p = subprocess.run([sys.executable, 'bench.py', *TINY, '--only=logprobs', f'--json={out}'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert set(json.loads(out.read_text())) == {'machine', 'config', 'peak', 'logprobs'}
