@@ -23,6 +23,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from measure import matmul_peak, memory_mb, timed, timed_rounds
 from model import GPT, GPTConfig
 from rollout import micro_batches
 from sampling import sample
-from tokenizer import get_tokenizer
+from tokenizer import _hf_bpe, bytes_to_unicode, get_tokenizer, load_hf_tokenizer
 
 DEFAULT = dict(n_layer=6, n_head=6, n_embd=384, vocab_size=50304)  # a 30M GPT-2: the shape without --preset
 # the GPTConfig fields of real models (their config.json); the Llama family has no biases but Qwen2's q/k/v ones
@@ -401,7 +402,44 @@ def bench_iteration(args, model, results):
         r[f"{phase}_share"] = r[f"{phase}_s"] / r["dt_s"]
     r.update({k: mean(k) for k in ("rollout_tok_s", "train_tok_s", "pad_share", "mfu", "mem_mb")})
 
-SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration]
+def synthetic_tokenizer(path, n_vocab, seed=0):
+    """Write a byte-level BPE tokenizer.json in the Qwen2.5 layout (its pre-tokenizer, NFC, ignore_merges false,
+    special tokens after the vocabulary) with n_vocab tokens, grown the way training grows one: each merge joins
+    two existing tokens, kept only if HF's BPE of the result is exactly that pair, so every token is reachable by its
+    merges (what load_hf_tokenizer checks). Returns the mean token length in characters."""
+    fixture = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures",
+                                          "tiny-bpe-a", "tokenizer.json"), encoding="utf-8"))
+    tokens = list(bytes_to_unicode().values())  # the 256 single bytes
+    vocab, merges, rank, rng = {t: i for i, t in enumerate(tokens)}, [], {}, random.Random(seed)
+    while len(tokens) < n_vocab:
+        # short tokens are the likelier parts, as in a trained vocabulary (mean length ~8 characters at 150k)
+        a, b = tokens[int(len(tokens) * rng.random() ** 6)], tokens[rng.randrange(min(len(tokens), 2000))]
+        if a + b not in vocab and _hf_bpe(a + b, rank) == [a, b]:
+            rank[(a, b)] = len(merges)
+            merges.append(f"{a} {b}")
+            vocab[a + b] = len(tokens)
+            tokens.append(a + b)
+    specials = [dict(t, id=n_vocab + i) for i, t in enumerate(fixture["added_tokens"])]
+    tok = dict(fixture, added_tokens=specials, model=dict(fixture["model"], vocab=vocab, merges=merges))
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(tok, f)
+    return sum(map(len, tokens)) / len(tokens)
+
+def bench_tokenizer(args, model, results):
+    """Building a tiktoken Encoding from a 151,643-token tokenizer.json (Qwen2.5's vocabulary size; synthetic, since
+    nothing is downloaded), its checks included, and encoding a GSM8K-sized batch of prompts with it."""
+    with tempfile.TemporaryDirectory() as folder:
+        mean_len = synthetic_tokenizer(os.path.join(folder, "tokenizer.json"), 151_643)
+        build = timed(lambda: load_hf_tokenizer(folder), "cpu", 1)
+        enc = load_hf_tokenizer(folder)
+    rng = random.Random(1)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(500)]
+    prompts = [" ".join(rng.choice(words) for _ in range(80)) + f" {rng.randint(0, 10**6)}." for _ in range(64)]
+    encode = timed(lambda: [enc.encode(p) for p in prompts], "cpu", args.repeat)
+    results["tokenizer"] = dict(vocab=enc.n_vocab, mean_token_chars=mean_len, build_s=build, batch_prompts=64,
+                                batch_chars=sum(map(len, prompts)), encode_batch_ms=encode * 1e3)
+
+SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration, bench_tokenizer]
 
 def soak(args, iters=200, every=20, warmup=40, limit=0.02):
     """Memory soak: `iters` iterations of a tiny model through train.py, evals and checkpoints included. A leak (a

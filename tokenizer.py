@@ -43,6 +43,7 @@ def bytes_to_unicode():
     return table
 
 BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}
+TO_LATIN1 = {ord(c): b for c, b in BYTE_OF.items()}  # str.translate, then latin-1: the bytes of a token at C speed
 
 @functools.lru_cache(maxsize=64)
 def _alternation(tokens):
@@ -107,13 +108,21 @@ class HFEncoding(tiktoken.Encoding):
 
 def _hf_bpe(word, merge_rank):
     """HF's BPE of one pre-token: merge the adjacent pair that comes first in the merge list (leftmost on a tie)
-    until no adjacent pair is in the list."""
-    parts = list(word)
-    while len(parts) > 1:
-        i = min(range(len(parts) - 1), key=lambda i: merge_rank.get((parts[i], parts[i + 1]), len(merge_rank)))
-        if (parts[i], parts[i + 1]) not in merge_rank:
+    until no adjacent pair is in the list. Each pair's rank is looked up once and only the two next to a merge
+    are looked up again: the check of a 150k vocabulary runs this for every token."""
+    parts, none = list(word), len(merge_rank)
+    ranks = [merge_rank.get(pair, none) for pair in zip(parts, parts[1:])]  # ranks[i]: the pair parts[i], parts[i+1]
+    while ranks:
+        first = min(ranks)
+        if first == none:
             break
+        i = ranks.index(first)
         parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        del ranks[i]
+        if i > 0:
+            ranks[i - 1] = merge_rank.get((parts[i - 1], parts[i]), none)
+        if i < len(ranks):
+            ranks[i] = merge_rank.get((parts[i], parts[i + 1]), none)
     return parts
 
 def _pattern(pre, refuse):
@@ -158,9 +167,9 @@ def _from_json(tok, file):
     # an added token may also be in the vocab (GPT-2's <|endoftext|>): it is matched whole, never a merge's product
     added_ids = {t["id"] for t in added}
     vocab = {s: i for s, i in model["vocab"].items() if i not in added_ids}
-    if any(c not in BYTE_OF for s in vocab for c in s):
+    if not set(BYTE_OF).issuperset("".join(vocab)):
         refuse(f"vocab strings are not GPT-2 byte-level characters; {SUPPORTED}")
-    ranks = {bytes(BYTE_OF[c] for c in s): i for s, i in vocab.items()}
+    ranks = {s.translate(TO_LATIN1).encode("latin-1"): i for s, i in vocab.items()}
     if sorted(ranks.values()) != list(range(len(ranks))):
         refuse("the BPE vocab ids are not contiguous from 0 (tiktoken's rank is the id)")
     if any(bytes([b]) not in ranks for b in range(256)):
