@@ -1,7 +1,8 @@
 """
-The GRPO family of objectives as pure functions on tensors: group advantages, importance ratios, the clipped
-(or CISPO) surrogate, the KL regulariser and the aggregation over tokens. No model, no I/O; the trainer calls
-group_advantages once per batch of rollouts and grpo_loss once per micro-batch.
+The GRPO family of objectives as pure functions on tensors: group advantages, importance ratios, the surrogate
+(PPO's clip, CISPO, SAPO or VESPO), the corrections and masks on it, the KL regulariser and the aggregation over
+tokens. No model, no I/O; the trainer calls group_advantages (or decoupled_advantages) once per batch of rollouts
+and grpo_loss once per micro-batch.
 
 Notation: completion i of a group of G, token t. logp = log pi_theta(token), old_logp from the policy that sampled
 (pi_old), ref_logp from the frozen reference, mask = 1 on tokens that count, A_i the advantage of completion i,
