@@ -109,6 +109,7 @@ vespo_k_neg = 3.0
 vespo_lambda_neg = 2.0
 importance_sampling_level = 'token'
 off_policy_mask_threshold = None  # DeepSeek-V3.2: drop negative sequences the policy has drifted this far from
+# (a mean log-ratio; keep it well above the logged sampler/logp_diff, which is rounding noise on-policy)
 top_entropy_quantile = 1.0  # 80/20: the policy term on this share of the step's tokens, highest entropy first
 entropy_coef = 0.0  # an entropy bonus
 sampler_correction = 'none'  # TIS/MIS for sampler/trainer mismatch: 'token_truncate', 'sequence_mask', ...
