@@ -222,8 +222,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     ratio = torch.exp(log_ratio)  # (B, T)
 
     A = advantages[:, None]  # (B, 1)
-    no_clip = torch.zeros_like(valid)  # the soft surrogates have no clipped region
-    clipped_low, clipped_high = no_clip, no_clip
+    clipped_low = clipped_high = torch.zeros_like(valid)  # the soft surrogates have no clipped region
     if surrogate == "clip":
         # dual clip (= verl's clip_ratio_c): cap the ratio the min can pick; with delta > 1 + epsilon_high it only
         # binds for A < 0, where a stale token with a huge ratio would otherwise get an unbounded loss
@@ -245,11 +244,11 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         per_token = -phi * A * logps  # (B, T)
 
     # What weighs or drops a token's policy term (the KL below keeps every token)
-    sampler_log_ratio = torch.where(valid, old_logps.detach() - sampler_logps, 0.0)  # (B, T) log(pi_old / pi_sampler)
+    sampler_gap = torch.where(valid, old_logps.detach() - sampler_logps, 0.0)  # (B, T) log(pi_old / pi_sampler)
     if sampler_correction != "none":
-        if sampler_correction.startswith("sequence"):  # the product over the sequence's tokens
-            sampler_log_ratio = sampler_log_ratio.sum(-1, keepdim=True)  # (B, 1)
-        rho = sampler_log_ratio.clamp(max=20).exp()  # no inf: e^20 is far past any cap
+        # the token's own, or the product over the sequence's tokens
+        log_rho = sampler_gap.sum(-1, keepdim=True) if sampler_correction.startswith("sequence") else sampler_gap
+        rho = log_rho.clamp(max=20).exp()  # no inf: e^20 is far past any cap
         low = 0.0 if sampler_correction_clip_min is None else sampler_correction_clip_min
         if sampler_correction.endswith("truncate"):  # TIS: a capped weight keeps the variance bounded
             rho = rho.clamp(low, sampler_correction_clip_max)
@@ -296,8 +295,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         "ratio/max": torch.where(valid, ratio, 0.0).max(),  # ratios are > 0, so 0 marks an empty batch
     }
     if reported:  # the gap between the log-probs the sampler reported and the trainer's own (bf16 sampling)
-        stats["sampler/logp_diff"] = _masked_mean((old_logps - sampler_logps).abs(), valid)
-        stats["sampler/rho_max"] = torch.where(valid, old_logps - sampler_logps, -math.inf).max().exp()
+        stats["sampler/logp_diff"] = _masked_mean(sampler_gap.abs(), valid)
+        stats["sampler/rho_max"] = torch.where(valid, sampler_gap, -math.inf).max().exp()
     if entropy is not None:
         stats["entropy"] = _masked_mean(entropy, valid)
     if off_policy_mask_threshold is not None:

@@ -407,18 +407,15 @@ class HeadLogprobs(torch.autograd.Function):
         ctx.args = temperature, rows, dtype
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: backward skips its term
         w = weight.to(dtype)
-        if not entropy:
-            ctx.save_for_backward(h, weight, targets, None)
-            return torch.cat([HeadLogprobs._logits(h[i:i + rows], w, temperature).log_softmax(-1)
-                              .gather(1, targets[i:i + rows, None]).squeeze(1) for i in range(0, len(h), rows)])
         out, ent = [], []
         for i in range(0, len(h), rows):
             logp = HeadLogprobs._logits(h[i:i + rows], w, temperature).log_softmax(-1)  # (n, V)
             out.append(logp.gather(1, targets[i:i + rows, None]).squeeze(1))
-            ent.append(logp.exp().mul_(logp).sum(-1).neg_())  # (n,) -sum_j p_j log p_j
-        out, ent = torch.cat(out), torch.cat(ent)
+            if entropy:
+                ent.append(logp.exp().mul_(logp).sum(-1).neg_())  # (n,) -sum_j p_j log p_j
+        out, ent = torch.cat(out), torch.cat(ent) if entropy else None
         ctx.save_for_backward(h, weight, targets, ent)  # H (n,) is cheap to keep and backward needs it
-        return out, ent
+        return (out, ent) if entropy else out
 
     @staticmethod
     def backward(ctx, grad, grad_ent=None):

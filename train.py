@@ -340,12 +340,13 @@ def policy_update(batch, optimizer, step, total_steps):
     rows = B // steps_per_generation  # this rank's completions per optimizer step
     accum = rows // micro_batch_size
     sums, bad, times, t, dev = {}, 0, {}, time.perf_counter(), batch['idx'].device
-    work = torch.zeros(3, dtype=torch.float64)  # tokens through the model, those that are not padding, model FLOPs
+    tokens = real = flops = 0  # tokens through the model, those of them that are not padding, model FLOPs
     for _ in range(num_iterations):
         for s in range(steps_per_generation):
             part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
             # the whole step's normalisers: every micro-batch of every rank divides by the same numbers
             num_tokens = all_sum(part['mask'].sum().float())
+            real += (part['start'] + part['mask'].sum(1)).sum().item()  # prompt and completion tokens
             if top_entropy_quantile < 1:  # 80/20: the top share by entropy under the policy as it is now, over the
                 # whole step (all ranks, all micro-batches), so the choice does not depend on the split
                 entropy = logprobs(raw_model, part, cfg, entropy=True)[1]  # (rows, C)
@@ -358,8 +359,7 @@ def policy_update(batch, optimizer, step, total_steps):
                 with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
                     logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, True)  # (b, L)
                 (b, T), L = mb['idx'].shape, mb['mask'].shape[1]
-                work += torch.tensor([b * T, (mb['start'] + mb['mask'].sum(1)).sum().item(),
-                                      raw_model.update_flops(b, T, L)], dtype=torch.float64)
+                tokens, flops = tokens + b * T, flops + raw_model.update_flops(b, T, L)
                 loss, stats = grpo_loss(
                     logps, None if cfg.on_policy else mb['old_logps'].to(logps.dtype), mb.get('ref_logps'),
                     mb['advantages'].to(logps.dtype), mb['mask'], **loss_config, num_sequences=rows * world_size,
@@ -385,8 +385,8 @@ def policy_update(batch, optimizer, step, total_steps):
             t = lap(times, 'optimizer', t, dev)
     n = num_iterations * steps_per_generation * accum * world_size
     stats = dict(zip(sums, (all_sum(torch.stack(list(sums.values()))) / n).tolist()))
-    stats.update(grad_norm=norm.item(), lr=get_lr(max(step - 1, 0), total_steps), flops=work[2].item())
-    tokens, real = all_sum(work[:2]).tolist()
+    stats.update(grad_norm=norm.item(), lr=get_lr(max(step - 1, 0), total_steps), flops=flops)
+    tokens, real = all_sum(torch.tensor([tokens, real], dtype=torch.float64)).tolist()
     stats.update(train_tokens=tokens, pad_share=1 - real / tokens)  # over all ranks
     return stats, step, bad, times
 
@@ -473,7 +473,8 @@ t_loop = time.time()
 for it in range(iter_start, max_iters + 1):
     if it < max_iters:
         stop_if_signalled(it)
-    if eval_interval and (it % eval_interval == 0 or it == max_iters):
+    evaluating = eval_interval and (it % eval_interval == 0 or it == max_iters)
+    if evaluating:
         metrics, samples = evaluate(it)
         log(dict(metrics, iter=it), f"eval {it}: greedy acc {metrics['eval/greedy_acc']:.3f} | " +
             " | ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k))
@@ -484,7 +485,8 @@ for it in range(iter_start, max_iters + 1):
         saved_it = it
     if it == max_iters:
         break
-    stop_if_signalled(it)  # an evaluation can take a while
+    if evaluating:
+        stop_if_signalled(it)  # an evaluation can take a while
     if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:
         with torch.no_grad():  # TR-DPO: ref = alpha * policy + (1 - alpha) * ref; lerp with alpha = 1 copies exactly
             for ref_p, p in zip(ref_model.parameters(), raw_model.parameters()):
