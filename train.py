@@ -506,10 +506,12 @@ for it in range(iter_start, max_iters + 1):
     # logging: gathered over ranks first, so the line describes the whole step
     rewards, scores, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
                                            for k in ('rewards', 'scores', 'lengths', 'truncated'))
+    correct = scores[:, 0].nan_to_num() >= 1
     m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(),
-             acc=(scores[:, 0].nan_to_num() >= 1).double().mean().item(),
+             acc=correct.double().mean().item(),
              flat_groups=is_flat(rewards, num_generations).double().mean().item(),
              len_mean=lengths.mean().item(), len_max=lengths.max().item(), truncated=truncated.mean().item(),
+             len_correct=lengths[correct].mean().item(), len_wrong=lengths[~correct].mean().item(),  # length bias
              dropped_groups=info['dropped_groups'], bad_steps=bad,
              rollout_tok_s=lengths.sum().item() / info['time']['generate'],
              train_tok_s=stats.pop('train_tokens') / (t2 - t1), mfu=stats.pop('flops') / (t2 - t1) / peak, dt=t2 - t0,
