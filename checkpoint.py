@@ -3,8 +3,11 @@ Checkpoints that survive SIGKILL at any moment.
 
     out_dir/latest            one line: the name of the newest complete checkpoint directory
     out_dir/ckpt-000040/      model.safetensors + config.json (Hugging Face layout: load it with the usual tools)
-                              optimizer.safetensors (AdamW moments), trainer.json (iteration, step, config)
-                              ref/ (the frozen reference model, only when beta > 0)
+                              optimizer.safetensors (AdamW moments; under FSDP one optimizer.rank{r}.safetensors
+                              per rank, its shard), optimizer.json, trainer.json (iteration, step, config)
+                              ref/ (the frozen reference model, only when beta > 0 without LoRA)
+                              adapter/ (LoRA: PEFT's adapter_config.json + adapter_model.safetensors; the model
+                              files beside it are then the frozen base)
                               tokenizer.json, generation_config.json... (a checkpoint's tokenizer's, when used)
 
 A checkpoint is written into a temporary directory, every file fsync'd, the directory renamed into place, and only
@@ -16,8 +19,12 @@ import json
 import os
 import shutil
 
+import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+import lora
+import parallelism
 
 
 def fsync_dir(path):
@@ -54,34 +61,53 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_ma
                    'vocab.json', 'merges.txt')  # what transformers and vLLM read beside the weights
 
 
+def _fsynced(file):
+    with open(file, 'rb') as f:
+        os.fsync(f.fileno())
+
+
 def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None):
     """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then. With
-    tokenizer_dir, its tokenizer files are copied in too, so the checkpoint is a whole Hugging Face model directory."""
+    tokenizer_dir, its tokenizer files are copied in too, so the checkpoint is a whole Hugging Face model directory.
+    Every rank calls it: under FSDP the weights are gathered to rank 0 a tensor at a time and each rank writes its own
+    shard of the optimizer state (optimizer.rank{r}.safetensors; a shared filesystem across nodes); under DDP the
+    ranks hold the same state and rank 0 writes it all (optimizer.safetensors)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shards = parallelism.sharded(model)
+    ref_model = None if ref_model is model else ref_model  # LoRA's reference is the base model: nothing to save
+    weights = parallelism.full_state_dict(model, keep=rank == 0)  # without LoRA's adapters: the base
+    ref_weights = parallelism.full_state_dict(ref_model, keep=rank == 0) if ref_model is not None else None
     name = f"ckpt-{it:06d}"
     final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed mid-write
-    model.save_pretrained(tmp)
-    for file in TOKENIZER_FILES if tokenizer_dir else ():
-        if os.path.isfile(os.path.join(tokenizer_dir, file)):
-            shutil.copyfile(os.path.join(tokenizer_dir, file), os.path.join(tmp, file))
-            with open(os.path.join(tmp, file), 'rb') as f:
-                os.fsync(f.fileno())
-    if ref_model is not None:
-        ref_model.save_pretrained(os.path.join(tmp, 'ref'))
-    sd = optimizer.state_dict()
-    tensors = {f"{i}.{k}": v.contiguous() for i, s in sd['state'].items() for k, v in s.items()}
-    save_file(tensors, os.path.join(tmp, 'optimizer.safetensors'))
-    with open(os.path.join(tmp, 'optimizer.safetensors'), 'rb') as f:
-        os.fsync(f.fileno())
-    write_json(os.path.join(tmp, 'optimizer.json'), sd['param_groups'])
-    write_json(os.path.join(tmp, 'trainer.json'), dict(trainer_state, iter=it))
-    shutil.rmtree(final, ignore_errors=True)  # a same-named leftover that `latest` does not point to
-    os.rename(tmp, final)
-    fsync_dir(out_dir)
-    write_json(os.path.join(out_dir, 'latest'), name)
-    for old in os.listdir(out_dir):  # only now is it safe to drop the older checkpoints
-        if old.startswith('ckpt-') and old != name or old.startswith('.ckpt-'):
-            shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed mid-write
+        model.save_pretrained(tmp, state_dict=weights)
+        for file in TOKENIZER_FILES if tokenizer_dir else ():
+            if os.path.isfile(os.path.join(tokenizer_dir, file)):
+                shutil.copyfile(os.path.join(tokenizer_dir, file), os.path.join(tmp, file))
+                _fsynced(os.path.join(tmp, file))
+        if ref_model is not None:
+            ref_model.save_pretrained(os.path.join(tmp, 'ref'), state_dict=ref_weights)
+        write_json(os.path.join(tmp, 'optimizer.json'), optimizer.state_dict()['param_groups'])
+    if lora.has_adapters(model):  # PEFT's layout, in a folder of its own (a model folder with adapter_config.json
+        # is an adapter to transformers); its base is this checkpoint's model.safetensors
+        lora.save_adapter(model, os.path.join(tmp, 'adapter'), os.path.abspath(final), write=rank == 0)
+    parallelism.barrier()  # the directory exists before the other ranks write into it
+    if shards or rank == 0:
+        file = os.path.join(tmp, f'optimizer.rank{rank}.safetensors' if shards else 'optimizer.safetensors')
+        save_file(parallelism.local_state(optimizer), file)
+        _fsynced(file)
+    parallelism.barrier()  # every shard is on disk before the checkpoint becomes the latest
+    if rank == 0:
+        write_json(os.path.join(tmp, 'trainer.json'), dict(trainer_state, iter=it))
+        shutil.rmtree(final, ignore_errors=True)  # a same-named leftover that `latest` does not point to
+        os.rename(tmp, final)
+        fsync_dir(out_dir)
+        write_json(os.path.join(out_dir, 'latest'), name)
+        for old in os.listdir(out_dir):  # only now is it safe to drop the older checkpoints
+            if old.startswith('ckpt-') and old != name or old.startswith('.ckpt-'):
+                shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+    parallelism.barrier()
 
 
 def load_state(out_dir):
@@ -97,9 +123,10 @@ def load_state(out_dir):
     return dict(state, dir=path)
 
 
-def load_optimizer(path, optimizer):
-    """Load the AdamW state saved by save() into optimizer (which must have the same parameter groups)."""
-    file = os.path.join(path, 'optimizer.safetensors')
+def load_optimizer(path, optimizer, rank=None):
+    """Load the AdamW state saved by save() into optimizer (which must have the same parameter groups): the whole of it,
+    or with rank (FSDP) that rank's shard, into moments sharded like their parameters."""
+    file = os.path.join(path, 'optimizer.safetensors' if rank is None else f'optimizer.rank{rank}.safetensors')
     try:
         tensors = load_file(file)
     except (SafetensorError, OSError) as e:
@@ -109,4 +136,5 @@ def load_optimizer(path, optimizer):
     for key, value in tensors.items():
         i, k = key.split('.', 1)
         state.setdefault(int(i), {})[k] = value
-    optimizer.load_state_dict(dict(state=state, param_groups=read_json(os.path.join(path, 'optimizer.json'))))
+    optimizer.load_state_dict(dict(state=parallelism.to_params(state, optimizer),
+                                   param_groups=read_json(os.path.join(path, 'optimizer.json'))))

@@ -93,7 +93,8 @@ def check_config(c, world_size):
                    kl_estimator=('k1', 'k2', 'k3'), sampler_correction=SAMPLER_CORRECTIONS,
                    advantage_estimator=('grpo', 'rloo', 'reinforce_pp'),
                    multi_objective_aggregation=('sum_then_normalize', 'normalize_then_sum'),
-                   lr_schedule=('constant', 'cosine'), dtype=('float32', 'float64', 'bfloat16', 'float16'))
+                   lr_schedule=('constant', 'cosine'), dtype=('float32', 'float64', 'bfloat16', 'float16'),
+                   parallel=('ddp', 'fsdp'))
     for key, valid in choices.items():
         need(c[key] in valid, f"unknown {key} '{c[key]}'; choose one of {', '.join(valid)}")
     # counts and rates that have a range; each message names its key and value
@@ -102,17 +103,17 @@ def check_config(c, world_size):
                     save_interval=0, sft_batch_size=1, max_resample_rounds=0, warmup_iters=0, ref_sync_every=0,
                     max_bad_steps=1, n_layer=1, n_head=1, n_embd=1, block_size=2, vocab_size=0, beta=0,
                     epsilon_low=0, epsilon_high=0, grad_clip=0, weight_decay=0, peak_flops=0, vespo_k_pos=0,
-                    vespo_k_neg=0)
+                    vespo_k_neg=0, lora_rank=0)
     why = dict(num_generations="; GRPO learns from differences between the completions of one prompt",
                eval_size="; eval_interval=0 turns evaluation off")
     for key, low in at_least.items():
         need(c[key] >= low, f"{key}={c[key]} must be >= {low}{why.get(key, '')}")
     need(c['sft_iters'] is None or c['sft_iters'] >= 0, f"sft_iters={c['sft_iters']} must be None or >= 0")
-    for key in ('beta1', 'beta2', 'dropout'):
+    for key in ('beta1', 'beta2', 'dropout', 'lora_dropout'):
         need(0 <= c[key] < 1, f"{key}={c[key]} must be in [0, 1)")
     need(0 <= c['min_lr_ratio'] <= 1, f"min_lr_ratio={c['min_lr_ratio']} must be in [0, 1]")
     for key in ('sapo_temperature_pos', 'sapo_temperature_neg', 'vespo_lambda_pos', 'vespo_lambda_neg',
-                'sampler_correction_clip_max'):
+                'sampler_correction_clip_max', 'lora_alpha'):
         need(c[key] > 0, f"{key}={c[key]} must be > 0")
     for key in ('top_entropy_quantile', 'ref_model_mixup_alpha'):
         need(0 < c[key] <= 1, f"{key}={c[key]} must be in (0, 1]; 1 = off" +
@@ -154,6 +155,12 @@ def check_config(c, world_size):
     need(c['ref_model_mixup_alpha'] == 1 or c['beta'] > 0 and c['ref_sync_every'] > 0,
          f"ref_model_mixup_alpha={c['ref_model_mixup_alpha']} blends the policy into the reference every "
          f"ref_sync_every iterations: it needs beta > 0 and ref_sync_every > 0")
+    if c['lora_rank']:
+        need(not c['sft_iters'] or c['init_from'] == 'resume',
+             f"LoRA adapts a pretrained model, but sft_iters={c['sft_iters']} asks for a full warm start first; run "
+             f"that without LoRA and set init_from to its out_dir/warmstart (or a Hugging Face model); sft_iters=0")
+        need(not c['ref_sync_every'], "with LoRA the reference is the base model (adapters off), which never "
+                                      "changes: set ref_sync_every=0")
     need(c['temperature'] > 0, f"temperature={c['temperature']} must be > 0 for RL sampling (log-probs divide by it)")
     need(c['top_k'] is None or isinstance(c['top_k'], int) and c['top_k'] > 0, "top_k must be None or an int > 0")
     need(c['top_p'] is None or 0 < c['top_p'] <= 1, "top_p must be None or in (0, 1]")

@@ -203,9 +203,12 @@ class GPT(nn.Module):
 
     def update_flops(self, rows, T, C):
         """Model FLOPs of a training step over `rows` sequences of T tokens whose last C are the completion: the
-        body runs over all T positions, the output layer only over the C completion positions (logprobs' slice)."""
+        body runs over all T positions, the output layer only over the C completion positions (logprobs' slice). A
+        frozen weight (LoRA's base) gets no gradient of its own: 4 FLOPs per token in the step, not 6."""
         head = 6 * self.config.vocab_size * self.config.n_embd  # the output layer's share of flops_per_token
-        return rows * (T * (self.flops_per_token(T) - head) + C * head)
+        frozen_head = 0 if self.lm_head.weight.requires_grad else head // 3
+        frozen_body = sum(p.numel() for n, p in self.transformer.h.named_parameters() if not p.requires_grad)
+        return rows * (T * (self.flops_per_token(T) - head - 2 * frozen_body) + C * (head - frozen_head))
 
     def _hidden(self, idx, pos=None, kv=None, col=0, key_mask=None):
         """Final hidden states (B, T, C) of idx (B, T); pos, kv, col and key_mask are generate()'s cache plumbing."""
@@ -380,11 +383,13 @@ class GPT(nn.Module):
         hf.load_weights(path, model.config, model.state_dict())  # the state dict shares the parameters' storage
         return model.to(device=device)
 
-    def save_pretrained(self, path, max_shard_size=5 * 2**30):
+    def save_pretrained(self, path, max_shard_size=5 * 2**30, state_dict=None):
         """Write config.json and the weights in the Hugging Face layout of the model's family, each file atomically;
-        above max_shard_size bytes the weights go into shards named by model.safetensors.index.json, as the hub's."""
+        above max_shard_size bytes the weights go into shards named by model.safetensors.index.json, as the hub's.
+        state_dict: the weights to write if not the module's own (a sharded model's, gathered)."""
         os.makedirs(path, exist_ok=True)
-        hf.save_weights(path, self.config, self.state_dict(), max_shard_size)
+        sd = self.state_dict() if state_dict is None else state_dict  # LoRA adapters go to lora.save_adapter
+        hf.save_weights(path, self.config, {k: v for k, v in sd.items() if ".lora_" not in k}, max_shard_size)
         hf.write_config(path, self.config, self.lm_head.weight.dtype)
 
 class HeadLogprobs(torch.autograd.Function):

@@ -19,10 +19,12 @@ Randomness is per prompt, not per rank: prompt j of iteration `it` is sampled fr
 """
 import functools
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
+from lora import adapters_off, has_adapters, merged
 from loss import decoupled_advantages, group_advantages, kl_divergence
 from measure import lap
 from reward import compute_rewards
@@ -89,7 +91,10 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     prompts = [encode_prompt(r['prompt'], cfg, enc) for r in rows]
     gens = [torch.Generator(device).manual_seed(s) for s in seeds]
     temperature = cfg.temperature if temperature is None else temperature
-    with torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
+    # LoRA: sample from the weights with the adapters merged in (no adapter matmuls in the decode steps; 1.1-1.4x
+    # faster on CPU). Not under autocast: the merged weight, rounded to bf16, would lose most of a small update
+    merge = merged(model) if has_adapters(model) and not cfg.autocast else nullcontext()
+    with merge, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
         tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
                                              top_p=cfg.top_p, eos_id=cfg.eos_ids, generator=gens)
     pad = C - tokens.shape[1]  # generate stops early when every row is done; the loss wants a fixed width C
@@ -173,8 +178,9 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         # On-policy the loss takes the training forward's own (logp.detach()) and needs no pass of its own. The
         # sampler's stay in the batch for the off-policy mask and sampler_correction; the loss logs the gap
         batch['old_logps'] = logprobs(model, batch, cfg)
-    if ref_model is not None:
-        batch['ref_logps'] = logprobs(ref_model, batch, cfg)
+    if ref_model is not None:  # with LoRA the reference is the policy itself, its adapters switched off
+        with adapters_off(model) if ref_model is model else nullcontext():
+            batch['ref_logps'] = logprobs(ref_model, batch, cfg)
     if cfg.mask_truncated_completions:  # DAPO overlong filtering: a cut-off answer is neither right nor wrong
         batch['mask'] = batch['mask'] & ~truncated.to(device)[:, None]
 

@@ -27,14 +27,18 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import lora
+import parallelism
 from configurator import check_config, check_device, configure
 from data import default_reward, load_dataset
 from loss import entropy_threshold, grpo_loss
 from measure import hms, lap, matmul_peak, memory_mb, ticker
 from model import GPT, GPTConfig
+from parallelism import full, full_state_dict, gathered
 from tokenizer import check_template, get_tokenizer, stop_ids
 from reward import get_reward_fns, pass_at_k
 from rollout import (encode_prompt, gather, is_flat, logprobs, micro_batches, pack, prompt_seed, rollout,
@@ -115,6 +119,12 @@ entropy_coef = 0.0  # an entropy bonus
 sampler_correction = 'none'  # TIS/MIS for sampler/trainer mismatch: 'token_truncate', 'sequence_mask', ...
 sampler_correction_clip_min = None
 sampler_correction_clip_max = 3.0
+# LoRA: low-rank adapters on a frozen pretrained model (lora.py); the reference policy is the same model with its
+# adapters off, so beta > 0 costs no second copy of the weights
+lora_rank = 0  # 0 = full fine-tuning
+lora_alpha = 32.0  # the adapters' output is scaled by lora_alpha / lora_rank
+lora_dropout = 0.0
+lora_targets = ()  # PEFT's target_modules in the family's names, e.g. ('q_proj', 'v_proj'); () = 'all-linear'
 # optimization
 num_iterations = 1  # mu: passes over each rollout batch
 steps_per_generation = 1  # optimizer steps per pass
@@ -132,6 +142,8 @@ ref_sync_every = 0  # copy the policy into the reference model every N iteration
 ref_model_mixup_alpha = 1.0  # at a sync, ref = alpha * policy + (1 - alpha) * ref (TR-DPO); 1 = a copy
 max_bad_steps = 3  # stop after this many non-finite steps in a row
 # system
+parallel = 'ddp'  # under torchrun: 'ddp' (each rank holds everything) or 'fsdp' (FSDP2: each holds 1/ranks of the
+# weights, gradients and AdamW state; for models whose training state does not fit one GPU)
 device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = 'float32'  # 'float32', 'float64' (exactness tests), 'bfloat16'/'float16' (autocast)
 compile = False
@@ -151,8 +163,8 @@ globals().update(config)
 check_device(device)
 # -----------------------------------------------------------------------------
 
-ddp = int(os.environ.get('RANK', -1)) != -1
-if ddp:
+distributed = int(os.environ.get('RANK', -1)) != -1  # launched by torchrun, DDP or FSDP
+if distributed:
     use_cuda = torch.cuda.is_available() and device != 'cpu'
     dist.init_process_group(backend='cpu:gloo,cuda:nccl' if use_cuda else 'gloo')  # small CPU tensors via gloo
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -184,6 +196,14 @@ if sft_iters is None:
     sft_iters = config['sft_iters'] = 0 if os.path.isdir(init_from) else 400
 check_config(config, world_size)
 state = checkpoint.load_state(out_dir) if init_from == 'resume' else None
+if parallel == 'fsdp' and not distributed:
+    raise ValueError("parallel='fsdp' shards over torchrun's processes: launch with torchrun (--nproc_per_node=1 "
+                     "for one GPU), or use parallel='ddp'")
+was = (state['config'].get('parallel', 'ddp'), state.get('world_size', world_size)) if state else None
+if state and 'fsdp' in (parallel, was[0]) and was != (parallel, world_size):  # the optimizer state is in shards
+    raise ValueError(f"{state['dir']} was written with parallel='{was[0]}' on {was[1]} rank(s); resume it with "
+                     f"--parallel={was[0]} and torchrun --nproc_per_node={was[1]} (this run: '{parallel}', "
+                     f"{world_size} rank(s))")
 if not tokenizer:  # the checkpoint's own; a resumed run keeps the one it started with
     own = any(os.path.exists(os.path.join(init_from, f)) for f in ('tokenizer.json', 'vocab.json'))
     tokenizer = config['tokenizer'] = state['config']['tokenizer'] if state else init_from if own else 'bytes'
@@ -240,11 +260,18 @@ if model.config.block_size < block_size:
     raise ValueError(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower block_size")
 model.to(device=device, dtype=param_dtype)
 model.gradient_checkpointing = gradient_checkpointing
+if lora_rank:  # the adapters' random A is drawn from the seeded generator: the same on every rank
+    lora.add_lora(model, lora_rank, lora_alpha, lora_dropout, lora_targets or 'all-linear')
+    if init_from == 'resume':
+        lora.load_adapter(model, os.path.join(state['dir'], 'adapter'))
 raw_model = model
+fsdp = distributed and parallel == 'fsdp'
+if fsdp:  # in place: raw_model is the sharded model
+    parallelism.shard(raw_model, bf16=device_type == 'cuda' and dtype == 'bfloat16')
 if compile:
     model = torch.compile(model)  # the training forward, i.e. the log-prob path
     raw_model.decode = torch.compile(raw_model.decode, fullgraph=True)  # generate's step, sampling included
-if ddp:
+if distributed and not fsdp:
     model = DDP(model, device_ids=[int(device.split(':')[1])] if device_type == 'cuda' else None)
 
 
@@ -259,7 +286,7 @@ def make_optimizer(lr):
 def all_sum(x):
     """Sum a tensor over ranks (in place on a copy); identity on one process."""
     x = x.clone()
-    if ddp:
+    if distributed:
         dist.all_reduce(x)
     return x
 
@@ -271,8 +298,9 @@ def warm_start():
             'sft_learning_rate', 'seed')
     spec = {k: config[k] for k in keys}
     path = os.path.join(out_dir, 'warmstart')
-    if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:
-        raw_model.load_state_dict(GPT.from_pretrained(path, dtype=param_dtype).state_dict())
+    if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
+        set_model_state_dict(raw_model, GPT.from_pretrained(path, dtype=param_dtype).state_dict(),
+                             options=StateDictOptions(full_state_dict=True))
         return 'loaded'
     opt = make_optimizer(sft_learning_rate)
     tick = ticker('warm start', sft_iters, 'steps', progress_interval if master else math.inf)
@@ -293,8 +321,9 @@ def warm_start():
         opt.step()
         opt.zero_grad(set_to_none=True)
         tick(i + 1, f", loss {loss.item():.3f}")
+    weights = full_state_dict(raw_model, keep=master)  # every rank takes part under FSDP
     if master:
-        raw_model.save_pretrained(path)
+        raw_model.save_pretrained(path, state_dict=weights)
         checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
     return f'trained {sft_iters} iters'
 
@@ -349,13 +378,13 @@ def policy_update(batch, optimizer, step, total_steps):
             real += (part['start'] + part['mask'].sum(1)).sum().item()  # prompt and completion tokens
             if top_entropy_quantile < 1:  # 80/20: the top share by entropy under the policy as it is now, over the
                 # whole step (all ranks, all micro-batches), so the choice does not depend on the split
-                entropy = logprobs(raw_model, part, cfg, entropy=True)[1]  # (rows, C)
+                with gathered(raw_model):
+                    entropy = logprobs(raw_model, part, cfg, entropy=True)[1]  # (rows, C)
                 part['entropy_mask'] = entropy >= entropy_threshold(gather(entropy), gather(part['mask']),
                                                                     top_entropy_quantile)
             t = lap(times, 'comm', t, dev)
             for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):  # sorted by length, cut to it
-                if ddp:  # all-reduce the gradients only on the last micro-batch
-                    model.require_backward_grad_sync = m == accum - 1
+                parallelism.set_grad_sync(model, m == accum - 1)  # reduce the gradients on the last one only
                 with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
                     logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, True)  # (b, L)
                 (b, T), L = mb['idx'].shape, mb['mask'].shape[1]
@@ -365,11 +394,12 @@ def policy_update(batch, optimizer, step, total_steps):
                     mb['advantages'].to(logps.dtype), mb['mask'], **loss_config, num_sequences=rows * world_size,
                     num_tokens=num_tokens, sampler_logps=mb['sampler_logps'].to(logps.dtype), entropy=entropy,
                     entropy_mask=mb.get('entropy_mask'))
-                (loss * world_size).backward()  # DDP averages over ranks; the loss contract wants the sum
+                (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss contract wants the sum
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v.detach().double()
             t = lap(times, 'backward', t, dev)  # forward + backward; DDP's gradient all-reduce overlaps the last one
             norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+            norm = full(norm)  # FSDP: a replicated DTensor
             t = lap(times, 'optimizer', t, dev)
             # every rank sees the same all-reduced gradient, but a NaN on one rank must stop them all together
             nonfinite = all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() > 0
@@ -392,17 +422,14 @@ def policy_update(batch, optimizer, step, total_steps):
 
 
 def save(it):
-    # the ranks must hold the same weights; a cheap checksum catches a silent divergence before it is saved
-    weights = torch.stack([p.double().sum() + (p.double() ** 2).sum() for p in raw_model.parameters()])
-    sums = gather(weights[None])
-    if not torch.equal(sums.min(0).values, sums.max(0).values):
-        raise RuntimeError(f"iteration {it}: the ranks' parameters differ (checksums {sums.sum(1).tolist()}); "
-                           f"not saving. This is a bug or a hardware fault; resume from the last checkpoint")
-    if master:
-        checkpoint.save(out_dir, it, raw_model, optimizer, ref_model,
-                        dict(step=step, bad_in_row=bad_in_row, config=config), tokenizer_dir)
-    if ddp:
-        dist.barrier()
+    if not fsdp:  # DDP's ranks must hold the same weights; a cheap checksum catches a silent divergence
+        weights = torch.stack([p.double().sum() + (p.double() ** 2).sum() for p in raw_model.parameters()])
+        sums = gather(weights[None])
+        if not torch.equal(sums.min(0).values, sums.max(0).values):
+            raise RuntimeError(f"iteration {it}: the ranks' parameters differ (checksums {sums.sum(1).tolist()}); "
+                               f"not saving. This is a bug or a hardware fault; resume from the last checkpoint")
+    checkpoint.save(out_dir, it, raw_model, optimizer, ref_model,
+                    dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size), tokenizer_dir)
 
 
 def stop_if_signalled(it):
@@ -410,7 +437,7 @@ def stop_if_signalled(it):
     all of them save that state, print how to resume, and exit with 128 + the signal's number. A rollout in
     progress is dropped (resume samples it again, identically); an update in progress is finished first."""
     sig = torch.tensor(stop_signal)
-    if ddp:  # every rank reaches this line, so they all see the same decision
+    if distributed:  # every rank reaches this line, so they all see the same decision
         dist.all_reduce(sig, op=dist.ReduceOp.MAX)
     if not sig.item():
         return
@@ -419,15 +446,15 @@ def stop_if_signalled(it):
     if master:
         args = [a for a in sys.argv[1:] if not a.startswith('--init_from=')] + ['--init_from=resume']
         local = int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
-        launcher = ['python'] if not ddp else ['torchrun', '--standalone', f'--nproc_per_node={world_size}'] \
-            if local == world_size else ['torchrun', '<this run\'s torchrun options>']
+        launcher = ['python'] if not distributed else ['torchrun', '--standalone', f'--nproc_per_node={world_size}'] \
+            if local == world_size else ['torchrun', "<this run's torchrun options>"]
         where = checkpoint.read_json(os.path.join(out_dir, 'latest'))
         print(f"stopped by {signal.Signals(sig.item()).name} before iteration {it}: " + (
             f"{out_dir}/{where} holds the run; resume with:\n{shlex.join(launcher + [sys.argv[0]] + args)}" if where
             else "no checkpoint to resume from (the first steps were non-finite)"), flush=True)
     if master and wandb_log:
         wandb.finish()
-    if ddp:
+    if distributed:
         dist.destroy_process_group()
     raise SystemExit(128 + sig.item())
 
@@ -452,18 +479,26 @@ iter_start, step, bad_in_row, saved_it = 0, 0, 0, None
 if init_from == 'resume':
     iter_start, step, bad_in_row = state['iter'], state['step'], state['bad_in_row']
     saved_it = iter_start
-    checkpoint.load_optimizer(state['dir'], optimizer)
+    checkpoint.load_optimizer(state['dir'], optimizer, rank if fsdp else None)
 elif sft_iters > 0:
     t = time.time()
     how = warm_start()
     if master:
         print(f"warm start: {how} ({time.time() - t:.1f}s)", flush=True)
 ref_model = None
-if beta > 0:  # the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
+if beta > 0 and lora_rank:
+    ref_model = raw_model  # the policy itself: rollout.py computes the reference's log-probs with the adapters off
+elif beta > 0:  # the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
     # a new module, not a deepcopy of the policy, which would share its compiled decode step
     ref_model = GPT(raw_model.config).to(device, param_dtype).eval().requires_grad_(False)
-    ref_model.load_state_dict(raw_model.state_dict() if init_from != 'resume' else
-                              GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict())
+    if fsdp:  # sharded like the policy, so the state dicts below match shard for shard
+        parallelism.shard(ref_model, bf16=device_type == 'cuda' and dtype == 'bfloat16')
+    if init_from == 'resume':
+        set_model_state_dict(ref_model, GPT.from_pretrained(os.path.join(state['dir'], 'ref'),
+                                                            dtype=param_dtype).state_dict(),
+                             options=StateDictOptions(full_state_dict=True))
+    else:
+        ref_model.load_state_dict(raw_model.state_dict())
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]  # in the dtype the update computes in
 if master:
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
@@ -475,7 +510,8 @@ for it in range(iter_start, max_iters + 1):
         stop_if_signalled(it)
     evaluating = eval_interval and (it % eval_interval == 0 or it == max_iters)
     if evaluating:
-        metrics, samples = evaluate(it)
+        with gathered(raw_model):  # FSDP: the whole weights for the sampler, gathered once
+            metrics, samples = evaluate(it)
         log(dict(metrics, iter=it), f"eval {it}: greedy acc {metrics['eval/greedy_acc']:.3f} | " +
             " | ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k))
         for prompt, completion in samples if master else ():
@@ -493,7 +529,8 @@ for it in range(iter_start, max_iters + 1):
                 ref_p.lerp_(p, ref_model_mixup_alpha)
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout's randomness follows the iteration: resume is exact
     t0 = time.perf_counter()
-    batch, info = rollout(raw_model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights)
+    with gathered(raw_model, ref_model):  # FSDP: gathered once for all of generate's steps and the log-prob passes
+        batch, info = rollout(raw_model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights)
     mem_rollout, t1 = memory_mb(device), time.perf_counter()
     stop_if_signalled(it)  # the rollout is the long part; resume redoes it exactly
     stats, step, bad, times = policy_update(batch, optimizer, step, total_steps)
@@ -511,12 +548,14 @@ for it in range(iter_start, max_iters + 1):
              acc=correct.double().mean().item(),
              flat_groups=is_flat(rewards, num_generations).double().mean().item(),
              len_mean=lengths.mean().item(), len_max=lengths.max().item(), truncated=truncated.mean().item(),
-             len_correct=lengths[correct].mean().item(), len_wrong=lengths[~correct].mean().item(),  # length bias
              dropped_groups=info['dropped_groups'], bad_steps=bad,
              rollout_tok_s=lengths.sum().item() / info['time']['generate'],
              train_tok_s=stats.pop('train_tokens') / (t2 - t1), mfu=stats.pop('flops') / (t2 - t1) / peak, dt=t2 - t0,
-             mem_mb=max(mem_rollout, mem_train), **stats)
+             mem_mb=max(mem_rollout, mem_train), **parallelism.resident_mb(raw_model, optimizer, ref_model), **stats)
     m.update({f'reward/{f.__name__}': scores[:, j].nanmean().item() for j, f in enumerate(reward_fns)})
+    for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # length bias; absent when none
+        if rows.any():
+            m[key] = lengths[rows].mean().item()
     for k, v in info['time'].items():  # seconds per phase; 'comm' has parts in both
         m[f'time/{k}'] = v + times.pop(k, 0.0)
     m.update({f'time/{k}': v for k, v in times.items()})
@@ -531,5 +570,5 @@ for it in range(iter_start, max_iters + 1):
 
 if master and wandb_log:
     wandb.finish()
-if ddp:
+if distributed:
     dist.destroy_process_group()

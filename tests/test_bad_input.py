@@ -107,6 +107,15 @@ CASES = [
     ('reward NaN', ["--reward_funcs=('rewards_mod:nan',)"], "reward function nan returned nan"),
     ('reward wrong type', ["--reward_funcs=('rewards_mod:text',)"], "reward function text returned 'good'"),
     ('tokenizer too big for model', ['--tokenizer=bytes', '--init_from={d}/small_vocab'], "vocab_size 100 <"),
+    ('unknown parallel', ['--parallel=zero3'], "unknown parallel 'zero3'; choose one of ddp, fsdp"),
+    ('FSDP without torchrun', ['--parallel=fsdp'], "parallel='fsdp' shards over torchrun's processes"),
+    ('LoRA target that matches nothing', ['--init_from=' + FIXTURE, '--sft_iters=0', '--lora_rank=4',
+                                          "--lora_targets=('q_proj',)"],
+     "LoRA target 'q_proj' matches no linear layer of this gpt2 model; use some of c_attn, c_proj, c_fc"),
+    ('LoRA after a warm start', ['--lora_rank=4', '--sft_iters=10'], "LoRA adapts a pretrained model"),
+    ('LoRA with reference syncs', ['--init_from=' + FIXTURE, '--sft_iters=0', '--lora_rank=4', '--beta=0.1',
+                                   '--ref_sync_every=2'], "set ref_sync_every=0"),
+    ('LoRA alpha of zero', ['--lora_rank=4', '--lora_alpha=0'], "lora_alpha=0.0 must be > 0"),
 ]
 
 

@@ -80,15 +80,6 @@ def max_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-@pytest.fixture(scope='module')
-def policy(tmp_path_factory):
-    """A policy that gets some answers right (a short supervised warm start), so rewards and advantages vary."""
-    out = tmp_path_factory.mktemp('warm')
-    launch([BASE + ['--sft_iters=60', '--max_iters=0', '--n_layer=2', '--n_head=2', '--n_embd=32',
-                    f'--out_dir={out}']], out)
-    return str(out / 'warmstart')
-
-
 # exact answers are still rare for this small policy; the overlong penalty makes the rewards of a group differ anyway
 REWARDS = "--reward_funcs=('exact_match', 'overlong')"
 CASES = [(lt, beta, mu) for lt in ('grpo', 'dr_grpo', 'dapo', 'luspo') for beta in (0.0, 0.04) for mu in (1, 2)]

@@ -1,0 +1,116 @@
+"""
+Data parallelism on PyTorch's own engine: DDP (every rank holds the whole model and optimizer) or FSDP2
+(`fully_shard`: every rank holds 1/world_size of each parameter, gradient and AdamW moment, and gathers a block's
+weights just before it runs). The loop is the same for both; this file holds the few places where they differ:
+wrapping, switching the gradient sync off between micro-batches, gathering the weights for a rollout, and reading
+the sharded weights and optimizer state out for a checkpoint (and back in on resume).
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def shard(model, bf16=False):
+    """Shard model in place with fully_shard: each block, then the root, which keeps the embeddings, the final norm
+    and the output layer. With bf16 (on a GPU), FSDP gathers bf16 copies for compute and reduces gradients in float32
+    into the float32 master shards. (DDP needs no such step: train.py wraps the model in DistributedDataParallel.)"""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    for method in ('generate', 'logprobs'):  # entry points besides forward: they gather the root's weights too
+        register_fsdp_forward_method(model, method)
+    return model
+
+
+def sharded(model):
+    return isinstance(model, FSDPModule)
+
+
+def set_grad_sync(model, on):
+    """Reduce gradients across ranks (DDP's all-reduce, FSDP's reduce-scatter) only on the last micro-batch of a step:
+    the earlier ones accumulate locally."""
+    if isinstance(model, DDP):
+        model.require_backward_grad_sync = on
+    elif sharded(model):
+        model.set_requires_gradient_sync(on)
+
+
+@contextmanager
+def gathered(*models):
+    """Under FSDP, each model's full weights for the duration: gathered once (not once per decode step, which is what
+    FSDP's per-block hooks would do in generate's loop), and sharded again after. A no-op for unsharded models."""
+    models = [m for m in {id(m): m for m in models if m is not None and sharded(m)}.values()]  # LoRA: ref is model
+    fsdp = [m for model in models for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp:
+        m.unshard()
+    blocks = [m for model in models for m in model.transformer.h]
+    for b in blocks:  # a block's post-forward hook would free its gathered weights
+        b.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b.set_reshard_after_forward(True, recurse=False)
+        for m in fsdp:
+            m.reshard()
+
+
+def full(t):
+    """The whole tensor of a possibly sharded one (a collective under FSDP: every rank must call it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state_dict(model, keep):
+    """model's state dict as whole CPU tensors where keep (rank 0), {} elsewhere; gathered one tensor at a time, so a
+    rank never holds more than one gathered tensor beyond the CPU copy it keeps. A tensor under two names (tied
+    embeddings) is gathered once."""
+    out, seen = {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            whole = full(t.detach())  # every rank takes part in the gather
+            seen[id(t)] = whole.cpu() if keep else None
+        if keep:
+            out[name] = seen[id(t)]
+    return out
+
+
+def local_state(optimizer):
+    """This rank's part of the optimizer state: {'index.key': tensor}, the local shard of sharded moments."""
+    return {f"{i}.{k}": (v.to_local() if isinstance(v, DTensor) else v).contiguous()
+            for i, s in optimizer.state_dict()['state'].items() for k, v in s.items()}
+
+
+def to_params(state, optimizer):
+    """Inverse of local_state for load_state_dict: each moment of a sharded parameter becomes a DTensor shard like
+    that parameter's."""
+    params = [p for g in optimizer.param_groups for p in g['params']]
+    for i, s in state.items():
+        p = params[i]
+        for k, v in s.items():
+            if isinstance(p, DTensor) and v.dim() > 0:
+                s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
+    return state
+
+
+def resident_mb(model, optimizer, ref_model=None):
+    """What this rank holds for training, in MB: its parameters (under FSDP its shards), their gradients (trainable
+    ones only: LoRA's base has none), AdamW's moments, and a separate reference model's parameters."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    size = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts) / 2**20
+    params = list(model.parameters())  # a tied weight once
+    ref = size(ref_model.parameters()) if ref_model is not None and ref_model is not model else 0.0
+    return {'mem/params_mb': size(params), 'mem/grads_mb': size(p for p in params if p.requires_grad),
+            'mem/optimizer_mb': size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+            'mem/ref_mb': ref}
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,119 @@
+"""
+Past one GPU's memory (issue 14): FSDP2 gives DDP's update exactly, resumes bitwise and survives SIGKILL; LoRA trains
+only its adapters, exactly on any layout, and resumes bitwise. All through train.py itself (tests/multi_run.py), in
+float64 on CPU with gloo, from the warm policy test_exact.py builds.
+"""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from loss import LOSS_TYPES
+from test_exact import BASE, REWARDS, ROOT, TORCHRUN, launch, max_diff, metric_lines, weights
+
+TWO = TORCHRUN + ['--standalone', '--nproc_per_node=2']
+# a step that uses the reference model and two passes over the rollout (mu = 2: the ratio and clipping at work)
+STEP = BASE + ['--max_iters=1', '--beta=0.04', '--num_iterations=2', '--scale_rewards=group', REWARDS]
+STATS = ('kl', 'ratio/mean', 'ratio/max', 'entropy', 'grad_norm', 'clip_ratio/low', 'clip_ratio/high',
+         'clip_ratio/region', 'sampler/logp_diff', 'sampler/rho_max')
+LORA = ['--lora_rank=4', '--lora_alpha=8', '--learning_rate=3e-2']
+
+
+def rollouts(out_dir):
+    """The logged lines without timing and memory (which differ between DDP and FSDP): rewards, lengths, stats."""
+    return [{k: v for k, v in m.items() if not k.startswith('mem/')} for m in metric_lines(out_dir)]
+
+
+def same_rollouts(a, b):
+    """The same rewards, lengths and counts; the loss's stats to rounding (an all-reduce and a reduce-scatter may
+    round a gradient's last bit differently, and mu = 2's second pass sees that)."""
+    a, b = rollouts(a), rollouts(b)
+    assert [m.keys() for m in a] == [m.keys() for m in b]
+    for x, y in zip(a, b):
+        for k in x:
+            assert abs(x[k] - y[k]) <= 1e-9 * max(1, abs(x[k])) if k in STATS else x[k] == y[k], (k, x[k], y[k])
+
+
+def test_fsdp_equals_ddp_and_one_rank(policy, tmp_path):
+    """For every loss_type: FSDP on 2 ranks = DDP on 2 ranks (the same rollouts, the same parameters) = 1 rank with
+    twice the accumulation; and with LoRA, the same adapters on all three layouts."""
+    runs = {(lt, par): STEP + [f'--init_from={policy}', f'--loss_type={lt}', f'--parallel={par}',
+                               f'--out_dir={tmp_path}/{par}/{lt}'] for lt in LOSS_TYPES for par in ('ddp', 'fsdp')}
+    runs.update({('lora', par): STEP + LORA + [f'--init_from={policy}', f'--parallel={par}',
+                                               f'--out_dir={tmp_path}/{par}/lora'] for par in ('ddp', 'fsdp')})
+    launch(list(runs.values()), tmp_path, TWO, name='two.json')
+    one = [STEP + [f'--init_from={policy}', f'--loss_type={lt}', f'--out_dir={tmp_path}/one/{lt}']
+           for lt in LOSS_TYPES if lt != 'bnpo'] + [STEP + LORA + [f'--init_from={policy}',
+                                                                   f'--out_dir={tmp_path}/one/lora']]
+    launch(one, tmp_path, [sys.executable], name='one.json')
+    start = load_file(os.path.join(policy, 'model.safetensors'))
+    for lt in LOSS_TYPES:
+        fsdp, ddp = weights(f'{tmp_path}/fsdp/{lt}'), weights(f'{tmp_path}/ddp/{lt}')
+        assert max_diff(fsdp, ddp) <= 1e-10, lt
+        assert max_diff(fsdp, start) > 1e-4, lt  # the step did something
+        same_rollouts(f'{tmp_path}/fsdp/{lt}', f'{tmp_path}/ddp/{lt}')
+        if lt != 'bnpo':  # a mean per micro-batch: split-dependent by definition
+            assert max_diff(fsdp, weights(f'{tmp_path}/one/{lt}')) <= 1e-10, lt
+    adapters = {where: weights(f'{tmp_path}/{where}/lora', 'adapter/adapter_model.safetensors')
+                for where in ('ddp', 'fsdp', 'one')}
+    assert max_diff(adapters['fsdp'], adapters['ddp']) <= 1e-10
+    assert max_diff(adapters['one'], adapters['ddp']) <= 1e-10
+    assert max(v.abs().max().item() for k, v in adapters['one'].items() if 'lora_B' in k) > 1e-4  # B moved from 0
+    for where in ('ddp', 'fsdp', 'one'):  # the base is frozen: the checkpoint's model is the policy it started from
+        assert max_diff(weights(f'{tmp_path}/{where}/lora'), start) == 0, where
+
+
+@pytest.mark.parametrize('lora', [False, True], ids=['full', 'lora'])
+def test_fsdp_bitwise_resume(policy, tmp_path, lora):
+    """4 iterations straight = 2, stop, resume, 2 more, under FSDP: weights (or adapters), each rank's optimizer shard,
+    the reference model and the rollouts."""
+    args = BASE + ['--loss_type=grpo', '--beta=0.04', '--num_iterations=2', '--parallel=fsdp', REWARDS] + \
+        (LORA if lora else ['--ref_sync_every=2'])
+    runs = [args + [f'--init_from={policy}', '--max_iters=4', f'--out_dir={tmp_path}/straight'],
+            args + [f'--init_from={policy}', '--max_iters=2', f'--out_dir={tmp_path}/resumed'],
+            args + ['--init_from=resume', '--max_iters=4', f'--out_dir={tmp_path}/resumed']]
+    launch(runs, tmp_path, TWO)
+    files = ['model.safetensors', 'optimizer.rank0.safetensors', 'optimizer.rank1.safetensors'] + \
+        (['adapter/adapter_model.safetensors'] if lora else ['ref/model.safetensors'])
+    for file in files:
+        assert max_diff(weights(tmp_path / 'straight', file), weights(tmp_path / 'resumed', file)) == 0, file
+    straight, resumed = rollouts(tmp_path / 'straight'), rollouts(tmp_path / 'resumed')
+    assert [r for r in straight if r['iter'] >= 2] == [r for r in resumed if r['iter'] >= 2]
+    # the optimizer state is sharded two ways: resuming on one rank, or under DDP, is refused in one line
+    p = subprocess.run([sys.executable, 'train.py', *args, '--parallel=ddp', '--init_from=resume', '--max_iters=5',
+                        f'--out_dir={tmp_path}/resumed'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and p.stderr.count('\n') == 1, p.stderr[-2000:]
+    assert "parallel='fsdp' on 2 rank(s); resume it with --parallel=fsdp and torchrun --nproc_per_node=2" in p.stderr
+
+
+def test_fsdp_sigkill_never_loses_the_checkpoint(policy, tmp_path):
+    """SIGKILL of torchrun and both ranks at random moments (checkpoints every iteration, so some land mid-write):
+    the latest checkpoint always loads, every rank's optimizer shard included, and the run resumes from it."""
+    rng, env = random.Random(0), dict(os.environ, OMP_NUM_THREADS='1')
+    args = BASE + [f'--init_from={policy}', '--parallel=fsdp', f'--out_dir={tmp_path}']
+    latest = lambda: (tmp_path / 'latest').read_text() if os.path.exists(tmp_path / 'latest') else None
+    for kill in range(2):
+        resume = ['--init_from=resume'] if latest() else []
+        p = subprocess.Popen([*TWO, 'train.py', *args, '--max_iters=100000', *resume], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        before, deadline = latest(), time.time() + 120
+        while latest() == before and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.05, 1.0))
+        workers = open(f'/proc/{p.pid}/task/{p.pid}/children').read().split()  # in sessions of their own
+        for pid in [p.pid, *map(int, workers)]:  # all at once, as a node that loses power
+            os.kill(pid, signal.SIGKILL)
+        p.wait()
+        name = latest().strip().strip('"')
+        for file in ('model.safetensors', 'optimizer.rank0.safetensors', 'optimizer.rank1.safetensors'):
+            load_file(tmp_path / name / file)
+    it = int(name.split('-')[1])
+    p = subprocess.run([*TWO, 'train.py', *args, f'--max_iters={it + 1}', '--init_from=resume'], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert latest().strip().strip('"') == f'ckpt-{it + 1:06d}'
