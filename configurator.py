@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from loss import LOSS_TYPES, SAMPLER_CORRECTIONS
+from loss import ADVANTAGE_ESTIMATORS, LOSS_TYPES, SAMPLER_CORRECTIONS
 
 # the values a config may hold; anything else in train.py's globals (modules, functions) is not config
 CONFIG_TYPES = (bool, int, float, str, tuple, dict, type(None))
@@ -91,7 +91,7 @@ def check_config(c, world_size):
     choices = dict(loss_type=LOSS_TYPES, scale_rewards=('group', 'batch', 'none'),
                    surrogate=('clip', 'cispo', 'sapo', 'vespo'), importance_sampling_level=('token', 'sequence'),
                    kl_estimator=('k1', 'k2', 'k3'), sampler_correction=SAMPLER_CORRECTIONS,
-                   advantage_estimator=('grpo', 'rloo', 'reinforce_pp'),
+                   advantage_estimator=ADVANTAGE_ESTIMATORS,
                    multi_objective_aggregation=('sum_then_normalize', 'normalize_then_sum'),
                    lr_schedule=('constant', 'cosine'), dtype=('float32', 'float64', 'bfloat16', 'float16'),
                    parallel=('ddp', 'fsdp'))

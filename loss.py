@@ -73,6 +73,7 @@ import math
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -106,7 +107,7 @@ def group_advantages(rewards, num_generations, scale_rewards="group", estimator=
     and takes "none". Returns (B,) advantages.
     """
     _check_choice("scale_rewards", scale_rewards, ("group", "batch", "none"))
-    _check_choice("advantage_estimator", estimator, ("grpo", "rloo", "reinforce_pp"))
+    _check_choice("advantage_estimator", estimator, ADVANTAGE_ESTIMATORS)
     B, G = rewards.shape[0], num_generations
     if G < 1 or B % G:
         raise ValueError(f"{B} rewards do not split into groups of num_generations={G}; B must be a multiple of G")

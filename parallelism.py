@@ -5,6 +5,7 @@ weights just before it runs). The loop is the same for both; this file holds the
 wrapping, switching the gradient sync off between micro-batches, gathering the weights for a rollout, and reading
 the sharded weights and optimizer state out for a checkpoint (and back in on resume).
 """
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -25,6 +26,9 @@ def shard(model, bf16=False):
     fully_shard(model, mp_policy=mp)
     for method in ('generate', 'logprobs'):  # entry points besides forward: they gather the root's weights too
         register_fsdp_forward_method(model, method)
+    # FSDP warns that an in-place op on a returned view would skip its backward hook; nothing here writes into the
+    # log-probs model.forward returns (a view of the output layer's flat result)
+    warnings.filterwarnings('ignore', message='FSDP2-wrapped module .* returned a view tensor')
     return model
 
 
