@@ -33,6 +33,7 @@ from contextlib import nullcontext
 
 import torch
 
+import lora
 from loss import grpo_loss
 from measure import matmul_peak, memory_mb, timed, timed_rounds
 from model import GPT, GPTConfig
@@ -150,12 +151,15 @@ def timed_peak(fn, args):
     seconds = timed(fn, args.device, args.repeat)
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
 
-def run_train(args, out_dir, env=None, **overrides):
+def run_train(args, out_dir, env=None, ranks=1, **overrides):
     """Run train.py with no warm start on args' device, dtype and compile, with --key=value overrides and the
-    environment env (default: this one); return its training iterations' metrics from out_dir/metrics.jsonl."""
+    environment env (default: this one), on `ranks` processes (torchrun); return its training iterations' metrics
+    from out_dir/metrics.jsonl."""
     config = dict(device=args.device, dtype=args.dtype, compile=args.compile, sft_iters=0, out_dir=out_dir,
                   **overrides)
-    cmd = [sys.executable, "train.py"] + [f"--{k}={v!r}" for k, v in config.items()]
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+                                   if ranks > 1 else [])
+    cmd = launcher + ["train.py"] + [f"--{k}={v!r}" for k, v in config.items()]
     p = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
                        env=env)
     if p.returncode != 0:
@@ -372,6 +376,17 @@ def end_geometrically(model, eos, mean):
         model.lm_head.weight[:, 0] = 0.0
         model.lm_head.weight[eos, 0] = math.log(model.config.vocab_size / (mean - 1)) / 100.0
 
+def task_file(args, out_dir):
+    """A task of random-letter prompts of --prompt_len (one token each with the byte tokenizer) whose answers no
+    one will match, in out_dir: its train.py task= path."""
+    g = torch.Generator().manual_seed(4)
+    for split in ("train", "test"):
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
+            for _ in range(max(64, args.prompts)):
+                letters = torch.randint(97, 123, (args.prompt_len,), generator=g).tolist()
+                f.write(json.dumps(dict(prompt="".join(map(chr, letters)), answer="0")) + "\n")
+    return os.path.join(out_dir, "{split}.jsonl")
+
 def bench_iteration(args, model, results):
     """Whole GRPO iterations of train.py itself at this model shape, from its own metrics: each phase's seconds and
     share of the iteration, rollout and training tokens/s, MFU (against the peak section's) and memory (train.py's
@@ -380,12 +395,7 @@ def bench_iteration(args, model, results):
     --new_tokens, or about geometrically with --lengths geometric (end_geometrically). Of 4 iterations the first is
     warm-up and the other 3 are averaged."""
     with tempfile.TemporaryDirectory() as out_dir:
-        g = torch.Generator().manual_seed(4)
-        for split in ("train", "test"):  # a task file: prompts of the asked length, answers no one will match
-            with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
-                for _ in range(max(64, args.prompts)):
-                    letters = torch.randint(97, 123, (args.prompt_len,), generator=g).tolist()
-                    f.write(json.dumps(dict(prompt="".join(map(chr, letters)), answer="0")) + "\n")
+        task = task_file(args, out_dir)
         if model.config.model_type == "gpt2" and args.lengths == "fixed":
             shape = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab_size)
         else:  # train.py builds only GPT-2 from scratch; it starts any other family from this model's checkpoint
@@ -398,7 +408,7 @@ def bench_iteration(args, model, results):
                         num_generations=args.G, max_completion_length=args.new_tokens,
                         micro_batch_size=math.gcd(args.micro_batch_size, args.prompts * args.G),
                         eval_interval=0, save_interval=5, max_iters=4, peak_flops=results["peak"]["tflops"] * 1e12,
-                        task=os.path.join(out_dir, "{split}.jsonl"))
+                        task=task)
     mean = lambda key: sum(m[key] for m in its[1:]) / len(its[1:])
     r = results["iteration"] = dict(prompt_len=args.prompt_len, completion_len=mean("len_mean"), dt_s=mean("dt"))
     for phase in PHASES:
@@ -443,7 +453,50 @@ def bench_tokenizer(args, model, results):
     results["tokenizer"] = dict(vocab=enc.n_vocab, mean_token_chars=mean_len, build_s=build, batch_prompts=64,
                                 batch_chars=sum(map(len, prompts)), encode_batch_ms=encode * 1e3)
 
-SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration, bench_tokenizer]
+def activation_mb(model, args):
+    """MB of the tensors one micro-batch's training forward saves for backward (counted once per storage by
+    saved-tensor hooks): the activation memory of a step, the same under DDP and FSDP."""
+    idx, start, _ = grpo_batch(args)
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(args):
+        model.train()(idx[:args.micro_batch_size], start[:args.micro_batch_size], args.new_tokens)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}  # weights are held anyway
+    return sum(n for ptr, n in seen.items() if ptr not in params) / 2**20
+
+def bench_scale(args, model, results):
+    """What each rank holds for training under DDP, FSDP and LoRA (rank 16, all linears): 2 ranks of train.py
+    itself under torchrun, with beta > 0 so the reference model counts. Parameters, gradients, AdamW state and the
+    reference model come from train.py's mem/ metrics (each rank's own tensors: its shards under FSDP),
+    activations from one micro-batch's forward here (activation_mb), and the iteration time from the metrics. Also
+    LoRA against full fine-tuning on one process (each over 2 iterations after a warm-up one)."""
+    r = results["scale"] = dict(activations_mb=activation_mb(build_model(args), args))
+    lora_model = build_model(args)
+    lora.add_lora(lora_model, 16, 32.0)
+    r["lora_activations_mb"] = activation_mb(lora_model, args)
+    runs = dict(ddp=dict(parallel="ddp"), fsdp=dict(parallel="fsdp"), lora=dict(lora_rank=16))
+    for ranks in (2, 1):
+        for name, knobs in runs.items() if ranks == 2 else [("full", {}), ("lora_1rank", dict(lora_rank=16))]:
+            with tempfile.TemporaryDirectory() as out_dir:
+                model.save_pretrained(os.path.join(out_dir, "init"))
+                its = run_train(args, out_dir, ranks=ranks, init_from=os.path.join(out_dir, "init"),
+                                block_size=args.block_size, prompts_per_step=args.prompts, num_generations=args.G,
+                                max_completion_length=args.new_tokens, beta=0.04, eval_interval=0, save_interval=0,
+                                micro_batch_size=math.gcd(args.micro_batch_size, args.prompts * args.G // ranks),
+                                max_iters=3, task=task_file(args, out_dir), **knobs)
+            for key in ("params", "grads", "optimizer", "ref"):
+                r[f"{name}_{key}_mb"] = its[-1][f"mem/{key}_mb"]
+            r[f"{name}_iteration_s"] = sum(m["dt"] for m in its[1:]) / len(its[1:])
+    resident = lambda name: r[f"{name}_params_mb"] + r[f"{name}_optimizer_mb"]
+    r["fsdp_vs_ddp_params_optimizer"] = resident("fsdp") / resident("ddp")
+    r["lora_vs_full_optimizer"] = r["lora_1rank_optimizer_mb"] / r["full_optimizer_mb"]
+    r["lora_vs_full_iteration"] = r["lora_1rank_iteration_s"] / r["full_iteration_s"]
+
+SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration, bench_tokenizer,
+            bench_scale]
 
 def soak(args, iters=200, every=20, warmup=40, limit=0.02):
     """Memory soak: `iters` iterations of a tiny model through train.py, evals and checkpoints included. A leak (a

@@ -16,11 +16,16 @@ TINY = ['--prompts=2', '--G=2', '--prompt_len=16', '--new_tokens=16', '--n_layer
 @pytest.mark.parametrize('lengths', ['fixed', 'geometric'])
 def test_bench_runs_every_section(tmp_path, lengths):
     out = tmp_path / 'bench.json'
-    p = subprocess.run([sys.executable, 'bench.py', *TINY, f'--lengths={lengths}', f'--json={out}'], cwd=ROOT,
+    only = [] if lengths == 'fixed' else ['--only=sampling,logprobs,train_step,iteration']  # scale: once is enough
+    p = subprocess.run([sys.executable, 'bench.py', *TINY, f'--lengths={lengths}', f'--json={out}', *only], cwd=ROOT,
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert {'peak', 'sampling', 'logprobs', 'train_step', 'iteration'} <= r.keys()
+    if lengths == 'fixed':  # FSDP holds half of DDP's parameters and AdamW state on each of 2 ranks, LoRA no reference
+        s = r['scale']
+        assert s['fsdp_vs_ddp_params_optimizer'] == pytest.approx(0.5, abs=0.05)
+        assert s['lora_ref_mb'] == 0 < s['ddp_ref_mb'] and s['lora_grads_mb'] < s['ddp_grads_mb'] / 2
     numbers = [v for section in r.values() for v in section.values() if isinstance(v, float)]
     assert all(math.isfinite(v) for v in numbers)
     for section in ('train_step', 'iteration'):
