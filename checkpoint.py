@@ -7,7 +7,7 @@ Checkpoints that survive SIGKILL at any moment.
                               per rank, its shard), optimizer.json, trainer.json (iteration, step, config)
                               ref/ (the frozen reference model, only when beta > 0 without LoRA)
                               adapter/ (LoRA: PEFT's adapter_config.json + adapter_model.safetensors; the model
-                              files beside it are then the frozen base)
+                              files beside it are then the frozen base), merged/ (LoRA's merged model, if asked)
                               tokenizer.json, generation_config.json... (a checkpoint's tokenizer's, when used)
 
 A checkpoint is written into a temporary directory, every file fsync'd, the directory renamed into place, and only
@@ -66,17 +66,19 @@ def _fsynced(file):
         os.fsync(f.fileno())
 
 
-def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None):
+def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None, save_merged=False):
     """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then. With
     tokenizer_dir, its tokenizer files are copied in too, so the checkpoint is a whole Hugging Face model directory.
     Every rank calls it: under FSDP the weights are gathered to rank 0 a tensor at a time and each rank writes its own
     shard of the optimizer state (optimizer.rank{r}.safetensors; a shared filesystem across nodes); under DDP the
-    ranks hold the same state and rank 0 writes it all (optimizer.safetensors)."""
+    ranks hold the same state and rank 0 writes it all (optimizer.safetensors). With LoRA and save_merged, merged/
+    holds the base with the adapters merged in, a whole Hugging Face model."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards = parallelism.sharded(model)
     ref_model = None if ref_model is model else ref_model  # LoRA's reference is the base model: nothing to save
     weights = parallelism.full_state_dict(model, keep=rank == 0)  # without LoRA's adapters: the base
     ref_weights = parallelism.full_state_dict(ref_model, keep=rank == 0) if ref_model is not None else None
+    merged = lora.merged_state_dict(model, weights) if save_merged and lora.has_adapters(model) else None
     name = f"ckpt-{it:06d}"
     final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
     if rank == 0:
@@ -88,6 +90,8 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
                 _fsynced(os.path.join(tmp, file))
         if ref_model is not None:
             ref_model.save_pretrained(os.path.join(tmp, 'ref'), state_dict=ref_weights)
+        if merged is not None:
+            model.save_pretrained(os.path.join(tmp, 'merged'), state_dict=merged)
         write_json(os.path.join(tmp, 'optimizer.json'), optimizer.state_dict()['param_groups'])
     if lora.has_adapters(model):  # PEFT's layout, in a folder of its own (a model folder with adapter_config.json
         # is an adapter to transformers); its base is this checkpoint's model.safetensors

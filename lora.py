@@ -209,6 +209,23 @@ def merged(model):
             m.merged, m.active = False, True
 
 
+def merged_state_dict(model, state_dict):
+    """The merged model's weights: state_dict (the base's whole tensors, e.g. parallelism.full_state_dict's; {} on
+    the ranks that keep nothing) with each adapter's scale * B A added into its rows, on copies of the adapted
+    weights. Every rank calls it under FSDP: the adapters are gathered."""
+    out = dict(state_dict)
+    for name, m in model.named_modules():
+        if not isinstance(m, LoRALinear):
+            continue
+        A = parallelism.full(m.lora_A.detach())  # (parts * r, in)
+        for (_, first, rows), B, a in zip(m.parts, m.lora_B, A.split(m.rank)):
+            B = parallelism.full(B.detach())  # (rows, r)
+            if out:
+                w = out[f"{name}.weight"] = out[f"{name}.weight"].clone()  # never the live parameter
+                w[first:first + rows] += (m.scale * (B.double() @ a.double())).to(w.device, w.dtype)
+    return out
+
+
 # -----------------------------------------------------------------------------
 # PEFT files
 

@@ -125,6 +125,7 @@ lora_rank = 0  # 0 = full fine-tuning
 lora_alpha = 32.0  # the adapters' output is scaled by lora_alpha / lora_rank
 lora_dropout = 0.0
 lora_targets = ()  # PEFT's target_modules in the family's names, e.g. ('q_proj', 'v_proj'); () = 'all-linear'
+lora_save_merged = False  # each checkpoint also holds merged/: the base with the adapters merged in (for serving)
 # optimization
 num_iterations = 1  # mu: passes over each rollout batch
 steps_per_generation = 1  # optimizer steps per pass
@@ -429,7 +430,8 @@ def save(it):
             raise RuntimeError(f"iteration {it}: the ranks' parameters differ (checksums {sums.sum(1).tolist()}); "
                                f"not saving. This is a bug or a hardware fault; resume from the last checkpoint")
     checkpoint.save(out_dir, it, raw_model, optimizer, ref_model,
-                    dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size), tokenizer_dir)
+                    dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size), tokenizer_dir,
+                    lora_save_merged)
 
 
 def stop_if_signalled(it):

@@ -181,6 +181,23 @@ def test_merged_generates_as_unmerged_and_restores_bitwise(name, targets):
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
 
 
+@pytest.mark.parametrize("name,targets", [("tiny-gpt2-a", "all-linear"), ("tiny-qwen2-a", ["k_proj", "up_proj"])])
+def test_merged_state_dict_is_the_merged_model(name, targets, tmp_path):
+    """What a checkpoint's merged/ holds: saved and loaded as a plain model, it computes what the adapted model does
+    (to rounding), and building it left the live weights untouched."""
+    model = adapted(name, targets)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sd = lora.merged_state_dict(model, model.state_dict())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with lora.merged(model):  # the in-place merge of generation: the same weights
+        live = model.state_dict()
+        assert max((sd[k] - live[k]).abs().max().item() for k in live if ".lora_" not in k) < 1e-12
+    model.save_pretrained(tmp_path, state_dict=sd)
+    idx, start, length = batch(model)
+    torch.testing.assert_close(logps(GPT.from_pretrained(tmp_path), idx, start, length),
+                               logps(model, idx, start, length), atol=1e-10, rtol=0)
+
+
 def test_decode_step_compiles_once_per_mode():
     """train.py compiles generate's decode step with fullgraph: the adapters add no graph break, and switching them
     off (merged, adapters_off) is one more graph, not one per call. Dynamo's eager backend: tracing, no codegen."""

@@ -44,7 +44,7 @@ def test_fsdp_equals_ddp_and_one_rank(policy, tmp_path):
     twice the accumulation; and with LoRA, the same adapters on all three layouts."""
     runs = {(lt, par): STEP + [f'--init_from={policy}', f'--loss_type={lt}', f'--parallel={par}',
                                f'--out_dir={tmp_path}/{par}/{lt}'] for lt in LOSS_TYPES for par in ('ddp', 'fsdp')}
-    runs.update({('lora', par): STEP + LORA + [f'--init_from={policy}', f'--parallel={par}',
+    runs.update({('lora', par): STEP + LORA + [f'--init_from={policy}', f'--parallel={par}', '--lora_save_merged=True',
                                                f'--out_dir={tmp_path}/{par}/lora'] for par in ('ddp', 'fsdp')})
     launch(list(runs.values()), tmp_path, TWO, name='two.json')
     one = [STEP + [f'--init_from={policy}', f'--loss_type={lt}', f'--out_dir={tmp_path}/one/{lt}']
@@ -66,6 +66,8 @@ def test_fsdp_equals_ddp_and_one_rank(policy, tmp_path):
     assert max(v.abs().max().item() for k, v in adapters['one'].items() if 'lora_B' in k) > 1e-4  # B moved from 0
     for where in ('ddp', 'fsdp', 'one'):  # the base is frozen: the checkpoint's model is the policy it started from
         assert max_diff(weights(f'{tmp_path}/{where}/lora'), start) == 0, where
+    merged = {where: weights(f'{tmp_path}/{where}/lora', 'merged/model.safetensors') for where in ('ddp', 'fsdp')}
+    assert max_diff(merged['fsdp'], merged['ddp']) <= 1e-10 and max_diff(merged['fsdp'], start) > 1e-6
 
 
 @pytest.mark.parametrize('lora', [False, True], ids=['full', 'lora'])
