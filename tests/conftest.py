@@ -1,10 +1,10 @@
-"""Fixtures shared by the test files that run train.py end to end (test_exact.py, test_scale.py)."""
+"""Fixtures shared by the test files that run train.py end to end (test_exact.py, test_scale.py): built once."""
 import pytest
 
 from test_exact import BASE, launch
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def policy(tmp_path_factory):
     """A policy that gets some answers right (a short supervised warm start), so rewards and advantages vary."""
     out = tmp_path_factory.mktemp('warm')

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 from safetensors.torch import load_file
 
 from loss import LOSS_TYPES
@@ -70,50 +69,50 @@ def test_fsdp_equals_ddp_and_one_rank(policy, tmp_path):
     assert max_diff(merged['fsdp'], merged['ddp']) <= 1e-10 and max_diff(merged['fsdp'], start) > 1e-6
 
 
-@pytest.mark.parametrize('lora', [False, True], ids=['full', 'lora'])
-def test_fsdp_bitwise_resume(policy, tmp_path, lora):
-    """4 iterations straight = 2, stop, resume, 2 more, under FSDP: weights (or adapters), each rank's optimizer shard,
-    the reference model and the rollouts."""
-    args = BASE + ['--loss_type=grpo', '--beta=0.04', '--num_iterations=2', '--parallel=fsdp', REWARDS] + \
-        (LORA if lora else ['--ref_sync_every=2'])
-    runs = [args + [f'--init_from={policy}', '--max_iters=4', f'--out_dir={tmp_path}/straight'],
-            args + [f'--init_from={policy}', '--max_iters=2', f'--out_dir={tmp_path}/resumed'],
-            args + ['--init_from=resume', '--max_iters=4', f'--out_dir={tmp_path}/resumed']]
+def test_fsdp_bitwise_resume(policy, tmp_path):
+    """4 iterations straight = 2, stop, resume, 2 more, under FSDP, full and LoRA (one launch for both): weights or
+    adapters, each rank's optimizer shard, the reference model and the rollouts."""
+    args = BASE + ['--loss_type=grpo', '--beta=0.04', '--num_iterations=2', '--parallel=fsdp', REWARDS]
+    kinds = {'full': ['--ref_sync_every=2'], 'lora': LORA}
+    runs = [args + knobs + run for kind, knobs in kinds.items() for run in (
+        [f'--init_from={policy}', '--max_iters=4', f'--out_dir={tmp_path}/{kind}/straight'],
+        [f'--init_from={policy}', '--max_iters=2', f'--out_dir={tmp_path}/{kind}/resumed'],
+        ['--init_from=resume', '--max_iters=4', f'--out_dir={tmp_path}/{kind}/resumed'])]
     launch(runs, tmp_path, TWO)
-    files = ['model.safetensors', 'optimizer.rank0.safetensors', 'optimizer.rank1.safetensors'] + \
-        (['adapter/adapter_model.safetensors'] if lora else ['ref/model.safetensors'])
-    for file in files:
-        assert max_diff(weights(tmp_path / 'straight', file), weights(tmp_path / 'resumed', file)) == 0, file
-    straight, resumed = rollouts(tmp_path / 'straight'), rollouts(tmp_path / 'resumed')
-    assert [r for r in straight if r['iter'] >= 2] == [r for r in resumed if r['iter'] >= 2]
+    for kind in kinds:
+        files = ['model.safetensors', 'optimizer.rank0.safetensors', 'optimizer.rank1.safetensors',
+                 'adapter/adapter_model.safetensors' if kind == 'lora' else 'ref/model.safetensors']
+        straight, resumed = tmp_path / kind / 'straight', tmp_path / kind / 'resumed'
+        for file in files:
+            assert max_diff(weights(straight, file), weights(resumed, file)) == 0, (kind, file)
+        assert [r for r in rollouts(straight) if r['iter'] >= 2] == [r for r in rollouts(resumed) if r['iter'] >= 2]
     # the optimizer state is sharded two ways: resuming on one rank, or under DDP, is refused in one line
     p = subprocess.run([sys.executable, 'train.py', *args, '--parallel=ddp', '--init_from=resume', '--max_iters=5',
-                        f'--out_dir={tmp_path}/resumed'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        f'--out_dir={tmp_path}/full/resumed'], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and p.stderr.count('\n') == 1, p.stderr[-2000:]
     assert "parallel='fsdp' on 2 rank(s); resume it with --parallel=fsdp and torchrun --nproc_per_node=2" in p.stderr
 
 
 def test_fsdp_sigkill_never_loses_the_checkpoint(policy, tmp_path):
-    """SIGKILL of torchrun and both ranks at random moments (checkpoints every iteration, so some land mid-write):
-    the latest checkpoint always loads, every rank's optimizer shard included, and the run resumes from it."""
-    rng, env = random.Random(0), dict(os.environ, OMP_NUM_THREADS='1')
+    """SIGKILL of torchrun and both ranks at a random moment (checkpoints every iteration, so it may land mid-write;
+    test_faults.py kills a single process five times): the latest checkpoint loads, every rank's optimizer shard
+    included, and the run resumes from it."""
+    env = dict(os.environ, OMP_NUM_THREADS='1')
     args = BASE + [f'--init_from={policy}', '--parallel=fsdp', f'--out_dir={tmp_path}']
     latest = lambda: (tmp_path / 'latest').read_text() if os.path.exists(tmp_path / 'latest') else None
-    for kill in range(2):
-        resume = ['--init_from=resume'] if latest() else []
-        p = subprocess.Popen([*TWO, 'train.py', *args, '--max_iters=100000', *resume], cwd=ROOT, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        before, deadline = latest(), time.time() + 120
-        while latest() == before and time.time() < deadline:
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.05, 1.0))
-        workers = open(f'/proc/{p.pid}/task/{p.pid}/children').read().split()  # in sessions of their own
-        for pid in [p.pid, *map(int, workers)]:  # all at once, as a node that loses power
-            os.kill(pid, signal.SIGKILL)
-        p.wait()
-        name = latest().strip().strip('"')
-        for file in ('model.safetensors', 'optimizer.rank0.safetensors', 'optimizer.rank1.safetensors'):
-            load_file(tmp_path / name / file)
+    p = subprocess.Popen([*TWO, 'train.py', *args, '--max_iters=100000'], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while latest() is None and time.time() < deadline:  # the first checkpoint, then a random moment
+        time.sleep(0.02)
+    time.sleep(random.Random(0).uniform(0.05, 1.0))
+    workers = open(f'/proc/{p.pid}/task/{p.pid}/children').read().split()  # in sessions of their own
+    for pid in [p.pid, *map(int, workers)]:  # all at once, as a node that loses power
+        os.kill(pid, signal.SIGKILL)
+    p.wait()
+    name = latest().strip().strip('"')
+    for file in ('model.safetensors', 'optimizer.rank0.safetensors', 'optimizer.rank1.safetensors'):
+        load_file(tmp_path / name / file)
     it = int(name.split('-')[1])
     p = subprocess.run([*TWO, 'train.py', *args, f'--max_iters={it + 1}', '--init_from=resume'], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
