@@ -32,17 +32,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # -----------------------------------------------------------------------------
 # config.json
 
+def read_json(file, missing, fix):
+    """The JSON object in file; FileNotFoundError `missing` if there is none, ValueError `fix` if it is not JSON."""
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} not found: {missing}")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); {fix}") from None
+
 def read_config(path):
     """(GPTConfig fields, the checkpoint's dtype) from path/config.json, either transformers' 4 or 5 layout."""
     file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file} not found: from_pretrained needs a Hugging Face model directory with "
-                                f"config.json and model.safetensors (or model.safetensors.index.json and its shards)")
-    try:
-        with open(file) as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); restore it from the model's original files") from None
+    hf = read_json(file, "from_pretrained needs a Hugging Face model directory with config.json and "
+                         "model.safetensors (or model.safetensors.index.json and its shards)",
+                   "restore it from the model's original files")
     kind = hf.get("model_type")
     if kind == "gpt2":
         fields = _gpt2_config(hf, file)

@@ -273,14 +273,8 @@ def load_adapter(model, path):
     gpt = _adapted(model)
     lora = gpt.lora_config
     file = os.path.join(path, CONFIG)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file} not found: load_adapter needs a PEFT adapter directory "
-                                f"({CONFIG} and {WEIGHTS}), as save_adapter writes")
-    try:
-        with open(file) as f:
-            theirs = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); restore it or save the adapter again") from None
+    theirs = hf.read_json(file, f"load_adapter needs a PEFT adapter directory ({CONFIG} and {WEIGHTS}), as "
+                                f"save_adapter writes", "restore it or save the adapter again")
     if theirs.get("peft_type") != "LORA" or theirs.get("use_rslora") or theirs.get("rank_pattern") \
             or theirs.get("alpha_pattern"):
         raise ValueError(f"{file}: needs a plain LoRA adapter (peft_type LORA, no use_rslora, rank_pattern or "
