@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -30,6 +31,11 @@ def shard(model, bf16=False):
     # log-probs model.forward returns (a view of the output layer's flat result)
     warnings.filterwarnings('ignore', message='FSDP2-wrapped module .* returned a view tensor')
     return model
+
+
+def load_whole(model, state_dict):
+    """Copy whole tensors (a Hugging Face checkpoint's) into model, each rank keeping its shard under FSDP."""
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
 
 
 def sharded(model):
@@ -70,6 +76,11 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _local(t):
+    """This rank's part of a possibly sharded tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def full_state_dict(model, keep):
     """model's state dict as whole CPU tensors where keep (rank 0), {} elsewhere; gathered one tensor at a time, so a
     rank never holds more than one gathered tensor beyond the CPU copy it keeps. A tensor under two names (tied
@@ -86,7 +97,7 @@ def full_state_dict(model, keep):
 
 def local_state(optimizer):
     """This rank's part of the optimizer state: {'index.key': tensor}, the local shard of sharded moments."""
-    return {f"{i}.{k}": (v.to_local() if isinstance(v, DTensor) else v).contiguous()
+    return {f"{i}.{k}": _local(v).contiguous()
             for i, s in optimizer.state_dict()['state'].items() for k, v in s.items()}
 
 
@@ -106,8 +117,7 @@ def to_params(state, optimizer):
 def resident_mb(model, optimizer, ref_model=None):
     """What this rank holds for training, in MB: its parameters (under FSDP its shards), their gradients (trainable
     ones only: LoRA's base has none), AdamW's moments, and a separate reference model's parameters."""
-    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
-    size = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts) / 2**20
+    size = lambda ts: sum(_local(t).numel() * _local(t).element_size() for t in ts) / 2**20
     params = list(model.parameters())  # a tied weight once
     ref = size(ref_model.parameters()) if ref_model is not None and ref_model is not model else 0.0
     return {'mem/params_mb': size(params), 'mem/grads_mb': size(p for p in params if p.requires_grad),

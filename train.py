@@ -27,7 +27,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
@@ -267,8 +266,9 @@ if lora_rank:  # the adapters' random A is drawn from the seeded generator: the 
         lora.load_adapter(model, os.path.join(state['dir'], 'adapter'))
 raw_model = model
 fsdp = distributed and parallel == 'fsdp'
+fsdp_bf16 = device_type == 'cuda' and dtype == 'bfloat16'  # FSDP's mixed precision: bf16 compute copies
 if fsdp:  # in place: raw_model is the sharded model
-    parallelism.shard(raw_model, bf16=device_type == 'cuda' and dtype == 'bfloat16')
+    parallelism.shard(raw_model, fsdp_bf16)
 if compile:
     model = torch.compile(model)  # the training forward, i.e. the log-prob path
     raw_model.decode = torch.compile(raw_model.decode, fullgraph=True)  # generate's step, sampling included
@@ -300,8 +300,7 @@ def warm_start():
     spec = {k: config[k] for k in keys}
     path = os.path.join(out_dir, 'warmstart')
     if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
-        set_model_state_dict(raw_model, GPT.from_pretrained(path, dtype=param_dtype).state_dict(),
-                             options=StateDictOptions(full_state_dict=True))
+        parallelism.load_whole(raw_model, GPT.from_pretrained(path, dtype=param_dtype).state_dict())
         return 'loaded'
     opt = make_optimizer(sft_learning_rate)
     tick = ticker('warm start', sft_iters, 'steps', progress_interval if master else math.inf)
@@ -494,11 +493,10 @@ elif beta > 0:  # the reference is the policy RL starts from, frozen (refreshed 
     # a new module, not a deepcopy of the policy, which would share its compiled decode step
     ref_model = GPT(raw_model.config).to(device, param_dtype).eval().requires_grad_(False)
     if fsdp:  # sharded like the policy, so the state dicts below match shard for shard
-        parallelism.shard(ref_model, bf16=device_type == 'cuda' and dtype == 'bfloat16')
+        parallelism.shard(ref_model, fsdp_bf16)
     if init_from == 'resume':
-        set_model_state_dict(ref_model, GPT.from_pretrained(os.path.join(state['dir'], 'ref'),
-                                                            dtype=param_dtype).state_dict(),
-                             options=StateDictOptions(full_state_dict=True))
+        parallelism.load_whole(ref_model, GPT.from_pretrained(os.path.join(state['dir'], 'ref'),
+                                                              dtype=param_dtype).state_dict())
     else:
         ref_model.load_state_dict(raw_model.state_dict())
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]  # in the dtype the update computes in
