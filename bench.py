@@ -76,6 +76,8 @@ def get_args(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best is kept)")
     p.add_argument("--naive_points", type=int, default=4,
                    help="sequence lengths the naive sampler is timed at (0: run it for every token)")
+    p.add_argument("--tokenizer_vocab", type=int, default=151_643,
+                   help="tokens in the tokenizer section's synthetic tokenizer.json (default: Qwen2.5's)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--soak", action="store_true", help="only the memory soak: 200 iterations of a tiny train.py run")
     p.add_argument("--only", help="comma-separated sections to run (the peak always runs): " +
@@ -440,10 +442,10 @@ def synthetic_tokenizer(path, n_vocab, seed=0):
     return sum(map(len, tokens)) / len(tokens)
 
 def bench_tokenizer(args, model, results):
-    """Building a tiktoken Encoding from a 151,643-token tokenizer.json (Qwen2.5's vocabulary size; synthetic, since
-    nothing is downloaded), its checks included, and encoding a GSM8K-sized batch of prompts with it."""
+    """Building a tiktoken Encoding from a --tokenizer_vocab-token tokenizer.json (synthetic, since nothing is
+    downloaded), its checks included, and encoding a GSM8K-sized batch of prompts with it."""
     with tempfile.TemporaryDirectory() as folder:
-        mean_len = synthetic_tokenizer(os.path.join(folder, "tokenizer.json"), 151_643)
+        mean_len = synthetic_tokenizer(os.path.join(folder, "tokenizer.json"), args.tokenizer_vocab)
         enc = load_hf_tokenizer(folder)  # also the warm-up of the timed build
         build = timed(lambda: load_hf_tokenizer(folder), "cpu", 1, warmup=0)
     rng = random.Random(1)

@@ -27,7 +27,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
@@ -189,7 +188,7 @@ def merged(model):
     mods = lora_modules(model)
     if any(m.merged or not m.active for m in mods):
         raise RuntimeError("merged() inside merged() or adapters_off(): merge from the plain adapted model")
-    if any(isinstance(m.weight, DTensor) for m in mods):
+    if any(parallelism.is_dtensor(m.weight) for m in mods):
         raise RuntimeError("merged() on sharded weights: under FSDP call it inside parallelism.gathered(model)")
     saved = []
     try:

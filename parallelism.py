@@ -5,21 +5,34 @@ weights just before it runs). The loop is the same for both; this file holds the
 wrapping, switching the gradient sync off between micro-batches, gathering the weights for a rollout, and reading
 the sharded weights and optimizer state out for a checkpoint (and back in on resume).
 """
+import sys
 import warnings
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+# FSDP and DTensor take 0.8 s to import, a third of train.py's start-up: only shard() and load_whole() import them.
+# Until then no module can be an FSDPModule and no tensor a DTensor, so the checks look in the loaded modules only.
+def _instance(x, module, name):
+    return module in sys.modules and isinstance(x, getattr(sys.modules[module], name))
+
+
+def sharded(model):
+    return _instance(model, 'torch.distributed.fsdp', 'FSDPModule')
+
+
+def is_dtensor(t):
+    return _instance(t, 'torch.distributed.tensor', 'DTensor')
 
 
 def shard(model, bf16=False):
     """Shard model in place with fully_shard: each block, then the root, which keeps the embeddings, the final norm
     and the output layer. With bf16 (on a GPU), FSDP gathers bf16 copies for compute and reduces gradients in float32
     into the float32 master shards. (DDP needs no such step: train.py wraps the model in DistributedDataParallel.)"""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
     for block in model.transformer.h:
@@ -35,11 +48,10 @@ def shard(model, bf16=False):
 
 def load_whole(model, state_dict):
     """Copy whole tensors (a Hugging Face checkpoint's) into model, each rank keeping its shard under FSDP."""
+    if not sharded(model):
+        return model.load_state_dict(state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
-
-
-def sharded(model):
-    return isinstance(model, FSDPModule)
 
 
 def set_grad_sync(model, on):
@@ -56,7 +68,7 @@ def gathered(*models):
     """Under FSDP, each model's full weights for the duration: gathered once (not once per decode step, which is what
     FSDP's per-block hooks would do in generate's loop), and sharded again after. A no-op for unsharded models."""
     models = [m for m in {id(m): m for m in models if m is not None and sharded(m)}.values()]  # LoRA: ref is model
-    fsdp = [m for model in models for m in model.modules() if isinstance(m, FSDPModule)]
+    fsdp = [m for model in models for m in model.modules() if sharded(m)]
     for m in fsdp:
         m.unshard()
     blocks = [m for model in models for m in model.transformer.h]
@@ -73,12 +85,12 @@ def gathered(*models):
 
 def full(t):
     """The whole tensor of a possibly sharded one (a collective under FSDP: every rank must call it)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def _local(t):
     """This rank's part of a possibly sharded tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def full_state_dict(model, keep):
@@ -108,8 +120,8 @@ def to_params(state, optimizer):
     for i, s in state.items():
         p = params[i]
         for k, v in s.items():
-            if isinstance(p, DTensor) and v.dim() > 0:
-                s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
+            if is_dtensor(p) and v.dim() > 0:
+                s[k] = type(p).from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
                                           shape=p.shape, stride=p.stride())
     return state
 

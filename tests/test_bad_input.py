@@ -1,13 +1,14 @@
 """
 A catalogue of bad input, through `python train.py` as a user types it: each case must exit non-zero with one line
-`error: ...` that says what is wrong (asserted), no traceback, and leave an existing checkpoint untouched.
+`error: ...` that says what is wrong (asserted), no traceback, and leave an existing checkpoint untouched. The cases
+run in forks of one process that has imported torch (tests/fork_run.py); one is also run as a plain `python train.py`
+to show that the fork changes nothing a user would see.
 """
 import hashlib
 import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -140,25 +141,25 @@ def setup(tmp_path_factory):
     return d, ckpt
 
 
-def run_case(d, ckpt, args):
-    args = [a.replace('{d}', str(d)) for a in args]
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(d))
-    cmd = [sys.executable, 'train.py', *TINY, '--max_iters=1', f'--out_dir={ckpt}', *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_bad_input_catalogue(setup):
+def test_bad_input_catalogue(setup, tmp_path):
     d, ckpt = setup
     before = digest(ckpt)
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda case: run_case(d, ckpt, case[1]), CASES))
+    runs = [dict(args=[*TINY, '--max_iters=1', f'--out_dir={ckpt}', *(a.replace('{d}', str(d)) for a in args)],
+                 path=str(d)) for _, args, _ in CASES]
+    (tmp_path / 'runs.json').write_text(json.dumps(runs))
+    subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'fork_run.py'), tmp_path / 'runs.json',
+                    tmp_path / 'results.json'], env=dict(os.environ, OMP_NUM_THREADS='1'), check=True, timeout=600)
+    results = json.loads((tmp_path / 'results.json').read_text())
+    plain = subprocess.run([sys.executable, 'train.py', *runs[0]['args']], cwd=ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(d)))
+    assert (plain.returncode, plain.stderr) == (results[0]['rc'], results[0]['stderr'])
     failures = []
     for (name, _, expected), p in zip(CASES, results):
-        lines = p.stderr.strip().splitlines()
-        ok = (p.returncode != 0 and 'Traceback' not in p.stderr and len(lines) >= 1
+        lines = p['stderr'].strip().splitlines()
+        ok = (p['rc'] != 0 and 'Traceback' not in p['stderr'] and len(lines) >= 1
               and lines[-1].startswith('error: ') and expected in lines[-1])
         if not ok:
-            failures.append(f"{name}: rc={p.returncode}\n{p.stderr[-1500:]}")
+            failures.append(f"{name}: rc={p['rc']}\n{p['stderr'][-1500:]}")
     assert not failures, '\n\n'.join(failures)
     assert digest(ckpt) == before  # no case touched the existing checkpoint
     assert len(CASES) >= 25

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--prompts=2', '--G=2', '--prompt_len=16', '--new_tokens=16', '--n_layer=1', '--n_embd=32', '--n_head=2',
-        '--vocab_size=300', '--repeat=1', '--micro_batch_size=2']
+        '--vocab_size=300', '--repeat=1', '--micro_batch_size=2', '--tokenizer_vocab=3000']
 
 
 @pytest.mark.parametrize('lengths', ['fixed', 'geometric'])
