@@ -8,6 +8,7 @@ templates against the text each model's own template renders, written out by han
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import unicodedata
@@ -16,8 +17,8 @@ import pytest
 import regex
 import tiktoken
 
-from tokenizer import (GPT2_PATTERN, QWEN2_SYSTEM, QWEN25_SYSTEM, check_template, eos_ids, get_tokenizer,
-                       load_hf_tokenizer, render_chat, stop_ids)
+from tokenizer import (GPT2_PATTERN, QWEN2_SYSTEM, QWEN25_SYSTEM, _hf_bpe, _unreachable, bytes_to_unicode,
+                       check_template, eos_ids, get_tokenizer, load_hf_tokenizer, render_chat, stop_ids)
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-bpe-a")
 with open(os.path.join(FIXTURE, "reference.json"), encoding="utf-8") as f:
@@ -202,6 +203,30 @@ def test_unreachable_token_is_fine_with_ignore_merges(tmp_path):
         tok["model"]["merges"].pop()
         tok["model"]["ignore_merges"] = True
     assert load_hf_tokenizer(edited(tmp_path, edit)).encode_ordinary("man") == [fixture_json()["model"]["vocab"]["man"]]
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unreachable_is_hf_bpe_token_by_token(seed):
+    """The all-tokens-at-once numpy check finds exactly the tokens that _hf_bpe, run on each token alone, splits: on
+    random vocabularies of 3000 tokens whose merge lists then lose some merges, get some out of order, and list some
+    pairs twice (the last rank counts)."""
+    rng = random.Random(seed)
+    tokens = list(bytes_to_unicode().values())
+    vocab, merges = {t: i for i, t in enumerate(tokens)}, []
+    while len(tokens) < 3000:  # short tokens are the likelier parts, so that long ones form too
+        a, b = tokens[int(len(tokens) * rng.random() ** 3)], rng.choice(tokens[:600])
+        if a + b not in vocab:
+            vocab[a + b] = len(tokens)
+            tokens.append(a + b)
+            merges.append((a, b))
+    merges = [m for m in merges if rng.random() > 0.03]
+    for _ in range(30):
+        i = rng.randrange(len(merges) - 1)
+        merges[i], merges[i + 1] = merges[i + 1], merges[i]
+        merges.insert(rng.randrange(len(merges)), merges[rng.randrange(len(merges))])
+    rank = {pair: r for r, pair in enumerate(merges)}  # a pair listed twice: its last rank
+    expected = {s for s in vocab if len(s) > 1 and _hf_bpe(s, rank) != [s]}
+    found = _unreachable(vocab, merges, [vocab[a + b] for a, b in merges])
+    assert 50 < len(expected) < 2500 and sorted(found) == sorted(expected)
 
 # -----------------------------------------------------------------------------
 # the older GPT-2 layout: vocab.json + merges.txt
