@@ -331,7 +331,8 @@ def train_step(args):
     def step(batch=batch):
         for _, mb in micro_batches(batch, args.micro_batch_size):
             with autocast(args):  # with each token's entropy, which train.py always logs
-                logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], entropy=True)  # (b, L)
+                logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], entropy=True,
+                                       lengths=mb['mask'].sum(1))  # (b, L)
             # num_sequences counts the whole step: the micro-batches' gradients add up to the step's
             loss, _ = grpo_loss(logps, None, None, mb['advantages'], mb['mask'], loss_type="dr_grpo",
                                 max_completion_length=args.new_tokens, num_sequences=rows, entropy=entropy)
@@ -355,7 +356,7 @@ def bench_train_step(args, model, results):
     idx, start, mask = grpo_batch(args)
     parts = [mb for _, mb in micro_batches(dict(idx=idx, start=start, mask=mask), args.micro_batch_size)]
     computed = sum(mb['idx'].numel() for mb in parts)  # tokens through the model, padding included
-    flops = sum(model.update_flops(*mb['idx'].shape, mb['mask'].shape[1]) for mb in parts)
+    flops = sum(model.update_flops(*mb['idx'].shape, mb['mask'].sum().item() / len(mb['idx'])) for mb in parts)
     results["train_step"] = dict(
         rows=len(idx), micro_batch_size=min(args.micro_batch_size, len(idx)), lengths=args.lengths,
         completion_len=mask.sum(1).double().mean().item(), step_ms=seconds * 1e3,

@@ -202,9 +202,9 @@ class GPT(nn.Module):
         return 3 * forward if backward else forward
 
     def update_flops(self, rows, T, C):
-        """Model FLOPs of a training step over `rows` sequences of T tokens whose last C are the completion: the
-        body runs over all T positions, the output layer only over the C completion positions (logprobs' slice). A
-        frozen weight (LoRA's base) gets no gradient of its own: 4 FLOPs per token in the step, not 6."""
+        """Model FLOPs of a training step over `rows` sequences of T tokens with C completion positions each (on
+        average: logprobs' lengths): the body runs over all T positions, the output layer only over the completion
+        positions. A frozen weight (LoRA's base) gets no gradient of its own: 4 FLOPs per token in the step, not 6."""
         head = 6 * self.config.vocab_size * self.config.n_embd  # the output layer's share of flops_per_token
         frozen_head = 0 if self.lm_head.weight.requires_grad else head // 3
         frozen_body = sum(p.numel() for n, p in self.transformer.h.named_parameters() if not p.requires_grad)
@@ -234,34 +234,38 @@ class GPT(nn.Module):
                 x = block(x, rope, None if kv is None else kv[i], col, key_mask)
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, start=None, length=None, temperature=1.0, entropy=False):
+    def forward(self, idx, start=None, length=None, temperature=1.0, entropy=False, lengths=None):
         """Logits (B, T, vocab_size) for every position of idx (B, T): the plain reference path. Given start and
-        length it returns logprobs(idx, start, length, temperature, entropy) instead, so that the trainer's pass goes
-        through forward and a DistributedDataParallel wrapper sees it."""
+        length it returns logprobs(idx, start, length, temperature, entropy, lengths) instead, so that the trainer's
+        pass goes through forward and a DistributedDataParallel wrapper sees it."""
         if start is not None:
-            return self.logprobs(idx, start, length, temperature, entropy)
+            return self.logprobs(idx, start, length, temperature, entropy, lengths)
         return self.lm_head(self._hidden(idx))
 
-    def logprobs(self, idx, start, length, temperature=1.0, entropy=False):
+    def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None):
         """out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j], predicted from the position
         before it, for j < length: (B, length) float32 (float64 for a float64 model). idx (B, T) holds prompt +
         completion + any right padding per row (causal attention never looks at the padding), start (B,) each row's
-        prompt length. The output layer runs in chunks of rows (HeadLogprobs), so a float32 (B, T, vocab) tensor
-        never exists. entropy=True returns (out, H) instead, H[b, j] (B, length) the entropy of the same
-        softmax(logits / temperature) that out[b, j] is taken from, computed in the same chunks; gradients flow
-        through both."""
+        prompt length. lengths (B,), if given, is how many of each row's completion tokens count: the output layer
+        runs on those only (it costs more per token than the rest of a small model), and out is 0 past them. The
+        output layer runs in chunks of rows (HeadLogprobs), so a float32 (B, T, vocab) tensor never exists.
+        entropy=True returns (out, H) instead, H[b, j] (B, length) the entropy of the same softmax(logits /
+        temperature) that out[b, j] is taken from, computed in the same chunks; gradients flow through both."""
         B, T = idx.shape
         # checked when run eagerly; a compiled graph would break at the host sync
         if not torch.compiler.is_compiling() and (int(start.min()) < 1 or int(start.max()) + length > T):
             raise ValueError(f"logprobs needs 1 <= start and start + length <= T, got start in "
                              f"[{int(start.min())}, {int(start.max())}], length {length}, T {T}")
         h = self._hidden(idx)  # (B, T, C)
-        pos = start[:, None] + torch.arange(length, device=idx.device) - 1  # (B, length) position before each target
-        h = h.gather(1, pos[..., None].expand(-1, -1, h.size(-1))).flatten(0, 1)  # (B*length, C)
-        targets = idx.gather(1, pos + 1).flatten()  # (B*length,)
+        j = torch.arange(length, device=idx.device)
+        keep = (j < (length if lengths is None else lengths[:, None])).expand(B, -1)  # (B, length) those computed
+        pos = (start[:, None] + j - 1 + T * torch.arange(B, device=idx.device)[:, None])[keep]  # (n,) before each
+        targets = idx.flatten()[pos + 1]  # (n,) target, as a flat index into (B, T)
         rows = max(1, 2**26 // self.config.vocab_size)  # each chunk's float32 logits stay near 256 MB
-        out = HeadLogprobs.apply(h, self.lm_head.weight, targets, temperature, rows, self._dtype(), entropy)
-        return tuple(t.view(B, length) for t in out) if entropy else out.view(B, length)
+        out = HeadLogprobs.apply(h.flatten(0, 1)[pos], self.lm_head.weight, targets, temperature, rows,
+                                 self._dtype(), entropy)  # (n,) or ((n,), (n,))
+        out = [t.new_zeros(B, length).masked_scatter(keep, t) for t in (out if entropy else (out,))]
+        return tuple(out) if entropy else out[0]
 
     def _dtype(self):
         """The dtype the matmuls run in: autocast's when it is on, else the weights'."""
@@ -413,7 +417,7 @@ class HeadLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: backward skips its term
         w = weight.to(dtype)
         out, ent = [], []
-        for i in range(0, len(h), rows):
+        for i in range(0, max(len(h), 1), rows):  # one empty chunk when no position counts
             logp = HeadLogprobs._logits(h[i:i + rows], w, temperature).log_softmax(-1)  # (n, V)
             out.append(logp.gather(1, targets[i:i + rows, None]).squeeze(1))
             if entropy:

@@ -228,7 +228,8 @@ def logprobs(model, batch, cfg, entropy=False):
                       dtype=torch.float64 if cfg.dtype == 'float64' else torch.float32)  # (1 or 2, B, C)
     for rows, mb in micro_batches(batch, cfg.micro_batch_size):
         with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
-            got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], cfg.temperature, entropy)  # (b, L)
+            got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], cfg.temperature, entropy,
+                                 mb['mask'].sum(1))  # (b, L), 0 past each row's mask
         for o, x in zip(out, got if entropy else (got,)):
             o[rows, :x.shape[1]] = x.to(o.dtype)
     return tuple(out) if entropy else out[0]

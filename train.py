@@ -386,9 +386,10 @@ def policy_update(batch, optimizer, step, total_steps):
             for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):  # sorted by length, cut to it
                 parallelism.set_grad_sync(model, m == accum - 1)  # reduce the gradients on the last one only
                 with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
-                    logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, True)  # (b, L)
-                (b, T), L = mb['idx'].shape, mb['mask'].shape[1]
-                tokens, flops = tokens + b * T, flops + raw_model.update_flops(b, T, L)
+                    need = mb['mask'].sum(1)  # (b,) the output layer runs on the tokens the loss counts only
+                    logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, True, need)
+                (b, T), n = mb['idx'].shape, int(need.sum())
+                tokens, flops = tokens + b * T, flops + raw_model.update_flops(b, T, n / b)
                 loss, stats = grpo_loss(
                     logps, None if cfg.on_policy else mb['old_logps'].to(logps.dtype), mb.get('ref_logps'),
                     mb['advantages'].to(logps.dtype), mb['mask'], **loss_config, num_sequences=rows * world_size,

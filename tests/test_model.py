@@ -280,6 +280,34 @@ def test_logprobs_entropy_match_brute_force_with_chunks_and_grad(monkeypatch):
     with torch.no_grad():
         assert torch.equal(model.logprobs(idx, start, length, 0.7), lp)  # entropy=False: one tensor, the same
 
+def test_logprobs_with_lengths_computes_only_the_positions_that_count():
+    """lengths: out and H equal the full pass where j < lengths[b] and are 0 past it, and the gradients are those of
+    the full pass with the positions past each row's length weighted 0; a batch where nothing counts gives zeros
+    and zero gradients."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=40, vocab_size=70, n_layer=1, n_head=2, n_embd=16)).double()
+    idx, start, lengths = torch.randint(0, 70, (3, 40)), torch.tensor([4, 9, 2]), torch.tensor([12, 0, 30])
+    keep = torch.arange(30) < lengths[:, None]  # (3, 30)
+    w1, w2 = torch.randn(3, 30, dtype=torch.float64), torch.randn(3, 30, dtype=torch.float64)
+    grads = []
+    for given in (lengths, None):
+        model.zero_grad()
+        lp, ent = model.logprobs(idx, start, 30, 0.8, entropy=True, lengths=given)
+        if given is None:
+            lp, ent = lp * keep, ent * keep
+        (lp * w1 + ent * w2).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if given is not None:
+            cut = lp, ent
+    torch.testing.assert_close(cut, (lp, ent), atol=1e-12, rtol=0)
+    assert torch.all(cut[0][~keep] == 0) and torch.all(cut[1][~keep] == 0)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+    model.zero_grad()
+    lp = model.logprobs(idx, start, 30, lengths=torch.zeros(3, dtype=torch.long))
+    lp.sum().backward()
+    assert lp.shape == (3, 30) and torch.all(lp == 0) and all(torch.all(p.grad == 0) for p in model.parameters())
+
 def test_logprobs_entropy_are_float32_in_float32():
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=60, n_layer=1, n_head=2, n_embd=16))
