@@ -332,7 +332,7 @@ def train_step(args):
         for _, mb in micro_batches(batch, args.micro_batch_size):
             with autocast(args):  # with each token's entropy, which train.py always logs
                 logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], entropy=True,
-                                       lengths=mb['mask'].sum(1))  # (b, L)
+                                       lengths=mb['mask'].sum(1), pos=mb['pos'])  # (b, L)
             # num_sequences counts the whole step: the micro-batches' gradients add up to the step's
             loss, _ = grpo_loss(logps, None, None, mb['advantages'], mb['mask'], loss_type="dr_grpo",
                                 max_completion_length=args.new_tokens, num_sequences=rows, entropy=entropy)

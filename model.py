@@ -94,8 +94,9 @@ class CausalSelfAttention(nn.Module):
             # head are that head's queries (h uses kv head h // (nh // nkv)), so the cache is read, never repeated
             y = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv * T, hs), *kv, attn_mask=key_mask)
             return self.resid_dropout(self.c_proj(y.reshape(B, nh * hs)[:, None]))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        # key_mask here: packed rows (B, 1, T, T), each token sees the earlier tokens of its own row only
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, is_causal=key_mask is None,
+                                           enable_gqa=nkv != nh, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -211,8 +212,13 @@ class GPT(nn.Module):
         return rows * (T * (self.flops_per_token(T) - head - 2 * frozen_body) + C * (head - frozen_head))
 
     def _hidden(self, idx, pos=None, kv=None, col=0, key_mask=None):
-        """Final hidden states (B, T, C) of idx (B, T); pos, kv, col and key_mask are generate()'s cache plumbing."""
+        """Final hidden states (B, T, C) of idx (B, T); kv, col and key_mask are generate()'s cache plumbing. pos
+        (B, T) without kv: rows packed one after another (rollout.micro_batches), each token's position in its own
+        row, 0 where one begins."""
         T = idx.size(1)
+        if pos is not None and kv is None:
+            row = (pos == 0).cumsum(1)  # (B, T) which row of the sequence each token is in
+            key_mask = (row[:, :, None] == row[:, None, :]).tril()[:, None]  # (B, 1, T, T) causal, within a row
         if pos is None:
             if T > self.config.block_size:
                 raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}; "
@@ -229,42 +235,46 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             if self.gradient_checkpointing and kv is None and torch.is_grad_enabled():
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, 0, key_mask, use_reentrant=False)
             else:
                 x = block(x, rope, None if kv is None else kv[i], col, key_mask)
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, start=None, length=None, temperature=1.0, entropy=False, lengths=None):
+    def forward(self, idx, start=None, length=None, temperature=1.0, entropy=False, lengths=None, pos=None):
         """Logits (B, T, vocab_size) for every position of idx (B, T): the plain reference path. Given start and
-        length it returns logprobs(idx, start, length, temperature, entropy, lengths) instead, so that the trainer's
-        pass goes through forward and a DistributedDataParallel wrapper sees it."""
+        length it returns logprobs(idx, start, length, temperature, entropy, lengths, pos) instead, so that the
+        trainer's pass goes through forward and a DistributedDataParallel wrapper sees it."""
         if start is not None:
-            return self.logprobs(idx, start, length, temperature, entropy, lengths)
+            return self.logprobs(idx, start, length, temperature, entropy, lengths, pos)
         return self.lm_head(self._hidden(idx))
 
-    def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None):
+    def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None, pos=None):
         """out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j], predicted from the position
         before it, for j < length: (B, length) float32 (float64 for a float64 model). idx (B, T) holds prompt +
         completion + any right padding per row (causal attention never looks at the padding), start (B,) each row's
         prompt length. lengths (B,), if given, is how many of each row's completion tokens count: the output layer
-        runs on those only (it costs more per token than the rest of a small model), and out is 0 past them. The
+        runs on those only (it costs more per token than the rest of a small model), and out is 0 past them. With
+        pos (B, T), idx holds several rows packed one after another (rollout.micro_batches, see _hidden) and start
+        (n,) is where each of n rows' completion begins, as a flat index into idx: out is then (n, length). The
         output layer runs in chunks of rows (HeadLogprobs), so a float32 (B, T, vocab) tensor never exists.
         entropy=True returns (out, H) instead, H[b, j] (B, length) the entropy of the same softmax(logits /
         temperature) that out[b, j] is taken from, computed in the same chunks; gradients flow through both."""
         B, T = idx.shape
         # checked when run eagerly; a compiled graph would break at the host sync
-        if not torch.compiler.is_compiling() and (int(start.min()) < 1 or int(start.max()) + length > T):
+        if pos is None and not torch.compiler.is_compiling() and (int(start.min()) < 1 or
+                                                                  int(start.max()) + length > T):
             raise ValueError(f"logprobs needs 1 <= start and start + length <= T, got start in "
                              f"[{int(start.min())}, {int(start.max())}], length {length}, T {T}")
-        h = self._hidden(idx)  # (B, T, C)
-        j = torch.arange(length, device=idx.device)
-        keep = (j < (length if lengths is None else lengths[:, None])).expand(B, -1)  # (B, length) those computed
-        pos = (start[:, None] + j - 1 + T * torch.arange(B, device=idx.device)[:, None])[keep]  # (n,) before each
-        targets = idx.flatten()[pos + 1]  # (n,) target, as a flat index into (B, T)
+        h = self._hidden(idx, pos)  # (B, T, C)
+        if pos is None:  # one row a sequence: as a flat index into idx
+            start = start + T * torch.arange(B, device=idx.device)
+        n, j = len(start), torch.arange(length, device=idx.device)
+        keep = (j < (length if lengths is None else lengths[:, None])).expand(n, -1)  # (n, length) those computed
+        before = (start[:, None] + j - 1)[keep]  # (k,) flat index of the position before each target
         rows = max(1, 2**26 // self.config.vocab_size)  # each chunk's float32 logits stay near 256 MB
-        out = HeadLogprobs.apply(h.flatten(0, 1)[pos], self.lm_head.weight, targets, temperature, rows,
-                                 self._dtype(), entropy)  # (n,) or ((n,), (n,))
-        out = [t.new_zeros(B, length).masked_scatter(keep, t) for t in (out if entropy else (out,))]
+        out = HeadLogprobs.apply(h.flatten(0, 1)[before], self.lm_head.weight, idx.flatten()[before + 1],
+                                 temperature, rows, self._dtype(), entropy)  # (k,) or ((k,), (k,))
+        out = [t.new_zeros(n, length).masked_scatter(keep, t) for t in (out if entropy else (out,))]
         return tuple(out) if entropy else out[0]
 
     def _dtype(self):

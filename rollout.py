@@ -204,19 +204,49 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
 
 
 def micro_batches(batch, size):
-    """Yield (rows, micro-batch) over batch's rows in micro-batches of `size` rows of similar length (sorted by
-    prompt + completion), each cut to its own longest row: idx to its longest prompt + completion, the (B, C)
-    tensors to its longest completion L, so no forward or backward work goes into padding past it. rows are the
-    indices into batch. The loss's step-wide normalisers make the update the same however rows are grouped (bnpo,
-    a mean per micro-batch, aside)."""
+    """Yield (rows, micro-batch), the ceil(B / size) micro-batches of a step, every row of batch in exactly one,
+    with next to no forward or backward work on padding. Each row needs its prompt and the completion tokens that
+    count (causal attention never reads past them). Rows are packed one after another into sequences no longer
+    than the longest row, first fit from the longest (long prompts and a long tail of completion lengths: one to
+    three rows a sequence), and the sequences, sorted by length, are cut into the micro-batches, each to its longest.
+    A micro-batch holds idx (S, T) the packed tokens, pos (S, T) each token's position in its own row (0 where a
+    row begins; model.logprobs lets a token attend to its own row only), start (n,) where each of its n rows'
+    completion begins, as a flat index into idx, and the batch's other tensors for those rows (`rows`, indices
+    into batch), the (B, C) ones cut to their longest completion. The loss's step-wide normalisers make the update
+    the same however rows are grouped (bnpo, a mean per micro-batch, aside)."""
     need = batch['mask'].sum(1)  # (B,) completion tokens that count: a prefix of each row
-    order = torch.argsort(batch['start'] + need, stable=True)  # (B,)
-    for m in range(0, len(order), size):
-        rows = order[m:m + size]
+    length, start, W = (batch['start'] + need).tolist(), batch['start'].tolist(), batch['idx'].shape[1]
+    seqs, room = [], []  # the rows of each sequence, and the tokens it has left
+    for r in sorted(range(len(length)), key=lambda r: -length[r]):  # first fit, longest first
+        i = next((i for i, free in enumerate(room) if free >= length[r]), len(seqs))
+        if i == len(seqs):
+            seqs.append([])
+            room.append(max(length))
+        seqs[i].append(r)
+        room[i] -= length[r]
+    count = -(-len(length) // size)  # the micro-batches of rows alone, so every rank runs as many
+    while len(seqs) < count:
+        seqs.append([max(seqs, key=len).pop()])
+    seqs.sort(key=lambda s: sum(length[r] for r in s))
+    for m in range(count):
+        part = seqs[m * len(seqs) // count:(m + 1) * len(seqs) // count]  # at most `size` sequences
+        T = max(sum(length[r] for r in s) for s in part)
+        src, pos, first = [], [], []  # flat indices into batch['idx'] and positions, (S, T) as lists
+        for s, seq in enumerate(part):
+            src.append([])
+            pos.append([])
+            for r in seq:
+                first.append(s * T + len(src[-1]) + start[r])
+                src[-1] += range(r * W, r * W + length[r])
+                pos[-1] += range(length[r])
+            pos[-1] += [0] * (T - len(pos[-1]))  # padding: rows of one token, read by nobody
+            src[-1] += [0] * (T - len(src[-1]))
+        rows = torch.tensor([r for s in part for r in s], device=need.device)
         L = max(int(need[rows].max()), 1)
-        T = int(batch['start'][rows].max()) + L
-        yield rows, {k: v[rows, :T] if k == 'idx' else v[rows, :L] if v.dim() == 2 else v[rows]
-                     for k, v in batch.items()}
+        mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k not in ('idx', 'start')}
+        dev = need.device
+        yield rows, dict(mb, idx=batch['idx'].flatten()[torch.tensor(src, device=dev)],
+                         pos=torch.tensor(pos, device=dev), start=torch.tensor(first, device=dev))
 
 
 @torch.inference_mode()
@@ -229,7 +259,7 @@ def logprobs(model, batch, cfg, entropy=False):
     for rows, mb in micro_batches(batch, cfg.micro_batch_size):
         with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
             got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], cfg.temperature, entropy,
-                                 mb['mask'].sum(1))  # (b, L), 0 past each row's mask
+                                 mb['mask'].sum(1), mb['pos'])  # (b, L), 0 past each row's mask
         for o, x in zip(out, got if entropy else (got,)):
             o[rows, :x.shape[1]] = x.to(o.dtype)
     return tuple(out) if entropy else out[0]

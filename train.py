@@ -383,11 +383,12 @@ def policy_update(batch, optimizer, step, total_steps):
                 part['entropy_mask'] = entropy >= entropy_threshold(gather(entropy), gather(part['mask']),
                                                                     top_entropy_quantile)
             t = lap(times, 'comm', t, dev)
-            for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):  # sorted by length, cut to it
+            for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):  # rows packed, no padding
                 parallelism.set_grad_sync(model, m == accum - 1)  # reduce the gradients on the last one only
                 with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
                     need = mb['mask'].sum(1)  # (b,) the output layer runs on the tokens the loss counts only
-                    logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, True, need)
+                    logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, True, need,
+                                           mb['pos'])
                 (b, T), n = mb['idx'].shape, int(need.sum())
                 tokens, flops = tokens + b * T, flops + raw_model.update_flops(b, T, n / b)
                 loss, stats = grpo_loss(

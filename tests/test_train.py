@@ -157,31 +157,51 @@ def test_nothing_imports_bench():
             assert 'bench' not in names, f
 
 
-def test_micro_batches_are_sorted_by_length_and_cut_to_their_longest_row():
-    """rollout.micro_batches: every row once, similar lengths together, no column past a micro-batch's longest row;
-    and the log-prob pass run through them equals one pass over the whole padded batch."""
+def test_micro_batches_pack_rows_and_change_nothing_but_the_work():
+    """rollout.micro_batches: ceil(B / size) micro-batches of at most `size` packed sequences, none longer than the
+    longest row, every row once with its own tokens and positions; the log-probs, entropies and gradients of packed
+    micro-batches equal those of each row alone (float64), and the log-prob pass equals one over the padded batch."""
     from rollout import logprobs, micro_batches
     from types import SimpleNamespace
     g = torch.Generator().manual_seed(0)
     B, C = 10, 7
     start = torch.randint(1, 6, (B,), generator=g)
-    need = torch.randint(0, C + 1, (B,), generator=g)
-    need[3] = C  # one row runs to the limit
-    mask = torch.arange(C) < need[:, None]  # (B, C) prefixes, one of them maybe empty
+    need = torch.tensor([2, 1, 6, 7, 0, 3, 1, 7, 2, 5])  # two rows run to the limit, one has no token that counts
+    mask = torch.arange(C) < need[:, None]  # (B, C) prefixes
     batch = dict(idx=torch.randint(0, 50, (B, 5 + C), generator=g), start=start, mask=mask,
                  advantages=torch.randn(B, generator=g))
-    seen = []
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16)).double()
+    w1, w2 = torch.randn(B, C, dtype=torch.float64), torch.randn(B, C, dtype=torch.float64)
+    seen, packed, sequences = [], 0.0, 0
     for rows, mb in micro_batches(batch, 3):
         L = max(int(need[rows].max()), 1)
-        assert mb['mask'].shape == (len(rows), L) and mb['idx'].shape == (len(rows), int(start[rows].max()) + L)
+        S, T = mb['idx'].shape
+        assert S <= 3 and T <= int((start + need).max()) and mb['mask'].shape == (len(rows), L)
         assert torch.equal(mb['mask'], mask[rows, :L]) and torch.equal(mb['advantages'], batch['advantages'][rows])
+        for k, r in enumerate(rows.tolist()):  # the row's prompt and counted completion, positions from 0
+            first = int(mb['start'][k]) - int(start[r])
+            span = slice(first, int(mb['start'][k]) + int(need[r]))
+            assert torch.equal(mb['idx'].flatten()[span], batch['idx'][r, :int(start[r] + need[r])])
+            assert mb['pos'].flatten()[span].tolist() == list(range(int(start[r] + need[r])))
+        lp, ent = model.logprobs(mb['idx'], mb['start'], L, 0.7, True, need[rows], mb['pos'])
+        packed = packed + (lp * w1[rows, :L] + ent * w2[rows, :L]).sum()
         seen.append(rows)
-    assert sorted(torch.cat(seen).tolist()) == list(range(B))
-    totals = [(start + need)[r] for r in seen]
-    assert all(a.max() <= b.min() for a, b in zip(totals, totals[1:]))  # sorted: no overlap between micro-batches
-    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).double()
+        sequences += S
+    assert len(seen) == 4 and sorted(torch.cat(seen).tolist()) == list(range(B)) and sequences < B
+    packed.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    alone = 0.0
+    for r in range(B):
+        lp, ent = model.logprobs(batch['idx'][r:r + 1], start[r:r + 1], C, 0.7, True, need[r:r + 1])
+        alone = alone + (lp * w1[r] + ent * w2[r]).sum()
+    alone.backward()
+    torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
+    for a, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-10, atol=1e-12)
     cfg = SimpleNamespace(micro_batch_size=3, dtype='float64', ptdtype=torch.float64, autocast=False, temperature=0.7)
-    whole = model.logprobs(batch['idx'], start, C, 0.7)  # (B, C) in one pass, padded to the longest row
+    with torch.no_grad():
+        whole = model.logprobs(batch['idx'], start, C, 0.7)  # (B, C) in one pass, padded to the longest row
     torch.testing.assert_close(logprobs(model, batch, cfg)[mask], whole[mask], rtol=1e-12, atol=1e-12)
 
 
