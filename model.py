@@ -350,6 +350,9 @@ class GPT(nn.Module):
         done = torch.zeros(N, dtype=torch.bool, device=dev)
         cols = torch.arange(P, S, device=dev)  # the cache column of each step's input token, the same for every row
         check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
+        # a step attends over the cache columns written so far, rounded up to a multiple of 64 (a few shapes for a
+        # compiled step): reading the keys and values is most of a decode step's time outside the matmuls
+        width = 0
         tok, lp = sample(logits, temperature, top_k, top_p, u[0])  # (N,), (N,)
         for t in range(max_new_tokens):
             tokens[t].index_copy_(0, live, tok.masked_fill(done, fill))
@@ -364,8 +367,11 @@ class GPT(nn.Module):
                     break
                 if keep.numel() <= 0.75 * done.numel():  # drop finished rows, but not for a few: it copies the cache
                     kv, live, lens, key_mask = rows_of(keep), live[keep], lens[keep], key_mask[keep]
-                    tok, done = tok[keep], done[keep]
-            tok, lp = self.decode(tok, lens + t, kv, cols[t:t + 1], key_mask, u[t + 1].index_select(0, live),
+                    tok, done, width = tok[keep], done[keep], 0
+            if P + t + 1 > width:
+                width = min(S, (P + t + 64) // 64 * 64)
+                step_kv, step_mask = [(k[:, :, :width], v[:, :, :width]) for k, v in kv], key_mask[:, :width]
+            tok, lp = self.decode(tok, lens + t, step_kv, cols[t:t + 1], step_mask, u[t + 1].index_select(0, live),
                                   temperature, top_k, top_p)
 
         tokens, logps = tokens.t(), logps.t()  # (N, max_new_tokens)
@@ -380,9 +386,9 @@ class GPT(nn.Module):
     def decode(self, tok, pos, kv, col, key_mask, u, temperature, top_k, top_p):
         """One step of generate: feed tok (n,) at positions pos (n,), its keys and values going into cache column col
         (a one-element tensor: every row's newest token sits in the same column), and sample the next tokens and
-        their log-probs (n,), (n,) with the uniforms u (n, 2). The shapes are the same at every step (attention
-        covers the whole cache; key_mask (n, S) and col hide the padding and what is not written yet), so
-        torch.compile turns the step, sampling included, into one graph: train.py's compile does."""
+        their log-probs (n,), (n,) with the uniforms u (n, 2). The shapes are the same from step to step (attention
+        covers the S cache columns given; key_mask (n, S) and col hide the padding and what is not written yet),
+        so torch.compile turns the step, sampling included, into one graph: train.py's compile does."""
         mask = key_mask & (torch.arange(key_mask.size(1), device=col.device) <= col)  # (n, S)
         h = self._hidden(tok[:, None], pos=pos[:, None], kv=kv, col=col, key_mask=mask[:, None, None])  # (n, 1, C)
         return sample(self.lm_head(h[:, -1]), temperature, top_k, top_p, u)

@@ -140,10 +140,11 @@ def test_per_prompt_generators_make_samples_independent_of_the_batch(tiny):
     with pytest.raises(ValueError, match="2 generators for 3 prompts; give one per prompt"):
         tiny.generate(PROMPTS[:3], 4, generator=gens(range(2)))
 
-@pytest.mark.parametrize("top_k, top_p", [(None, None), (20, 0.9)])
-def test_generate_logprobs_match_trainer_path(tiny, top_k, top_p):
+@pytest.mark.parametrize("top_k, top_p, new", [(None, None, 10), (20, 0.9, 10), (None, None, 110)])
+def test_generate_logprobs_match_trainer_path(tiny, top_k, top_p, new):
+    """110 new tokens: the steps attend over the first 64 cache columns, then over all of them."""
     temperature = 0.8
-    tokens, mask, logps = tiny.generate(PROMPTS, 10, num_samples=3, temperature=temperature, top_k=top_k,
+    tokens, mask, logps = tiny.generate(PROMPTS, new, num_samples=3, temperature=temperature, top_k=top_k,
                                         top_p=top_p, eos_id=226, generator=torch.Generator().manual_seed(0))
     rows = [p for p in PROMPTS for _ in range(3)]
     T = max(map(len, rows)) + tokens.size(1)
