@@ -49,7 +49,8 @@ def shard(model, bf16=False):
 def load_whole(model, state_dict):
     """Copy whole tensors (a Hugging Face checkpoint's) into model, each rank keeping its shard under FSDP."""
     if not sharded(model):
-        return model.load_state_dict(state_dict)
+        model.load_state_dict(state_dict)
+        return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
 

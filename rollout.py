@@ -215,13 +215,14 @@ def micro_batches(batch, size):
     into batch), the (B, C) ones cut to their longest completion. The loss's step-wide normalisers make the update
     the same however rows are grouped (bnpo, a mean per micro-batch, aside)."""
     need = batch['mask'].sum(1)  # (B,) completion tokens that count: a prefix of each row
-    length, start, W = (batch['start'] + need).tolist(), batch['start'].tolist(), batch['idx'].shape[1]
+    length, dev = (batch['start'] + need).tolist(), need.device
+    longest = max(length)  # every sequence holds up to the longest row
     seqs, room = [], []  # the rows of each sequence, and the tokens it has left
     for r in sorted(range(len(length)), key=lambda r: -length[r]):  # first fit, longest first
         i = next((i for i, free in enumerate(room) if free >= length[r]), len(seqs))
         if i == len(seqs):
             seqs.append([])
-            room.append(max(length))
+            room.append(longest)
         seqs[i].append(r)
         room[i] -= length[r]
     count = -(-len(length) // size)  # the micro-batches of rows alone, so every rank runs as many
@@ -230,23 +231,22 @@ def micro_batches(batch, size):
     seqs.sort(key=lambda s: sum(length[r] for r in s))
     for m in range(count):
         part = seqs[m * len(seqs) // count:(m + 1) * len(seqs) // count]  # at most `size` sequences
+        rows = [r for s in part for r in s]
+        offset = [sum(length[q] for q in s[:k]) for s in part for k in range(len(s))]  # where each row begins
         T = max(sum(length[r] for r in s) for s in part)
-        src, pos, first = [], [], []  # flat indices into batch['idx'] and positions, (S, T) as lists
-        for s, seq in enumerate(part):
-            src.append([])
-            pos.append([])
-            for r in seq:
-                first.append(s * T + len(src[-1]) + start[r])
-                src[-1] += range(r * W, r * W + length[r])
-                pos[-1] += range(length[r])
-            pos[-1] += [0] * (T - len(pos[-1]))  # padding: rows of one token, read by nobody
-            src[-1] += [0] * (T - len(src[-1]))
-        rows = torch.tensor([r for s in part for r in s], device=need.device)
+        n = torch.tensor([length[r] for r in rows], device=dev)  # (rows,) tokens of each row
+        within = torch.arange(int(n.sum()), device=dev) - (n.cumsum(0) - n).repeat_interleave(n)  # position in row
+        seq = torch.tensor([s for s, q in enumerate(part) for _ in q], device=dev)
+        begin = seq * T + torch.tensor(offset, device=dev)  # (rows,) flat index in (S, T) where each row begins
+        at = begin.repeat_interleave(n) + within  # (tokens,) flat index of each token
+        rows = torch.tensor(rows, device=dev)
+        idx = batch['idx'].new_zeros(len(part) * T)  # padding: token 0 at position 0, a row of its own nobody reads
+        idx[at] = batch['idx'][rows.repeat_interleave(n), within]
+        pos = torch.zeros_like(idx).index_put_((at,), within)
         L = max(int(need[rows].max()), 1)
         mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k not in ('idx', 'start')}
-        dev = need.device
-        yield rows, dict(mb, idx=batch['idx'].flatten()[torch.tensor(src, device=dev)],
-                         pos=torch.tensor(pos, device=dev), start=torch.tensor(first, device=dev))
+        yield rows, dict(mb, idx=idx.view(-1, T), pos=pos.view(-1, T),
+                         start=begin + batch['start'][rows])
 
 
 @torch.inference_mode()

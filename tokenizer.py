@@ -229,9 +229,9 @@ def _from_json(tok, file):
         if a + b not in vocab or a not in vocab or b not in vocab:
             refuse(f"merge {a!r} {b!r} makes a token that is not in the vocab, or joins one")
     made = [vocab[a + b] for a, b in merges]
-    if descents := [r for r in range(1, len(made)) if made[r] < made[r - 1]]:
-        refuse(f"merge {merges[descents[0]][0]!r} {merges[descents[0]][1]!r} is out of rank order (merged tokens' "
-               f"ids must not decrease along the list)")
+    if (r := next((r for r in range(1, len(made)) if made[r] < made[r - 1]), None)) is not None:
+        refuse(f"merge {merges[r][0]!r} {merges[r][1]!r} is out of rank order (merged tokens' ids must not decrease "
+               f"along the list)")
     # tiktoken returns a pre-token that is a vocab token whole; HF does only with ignore_merges, else it runs BPE
     if not model.get("ignore_merges") and (bad := _unreachable(vocab, merges, made)):
         refuse(f"vocab token {bad[0]!r} is not reachable by its merges and ignore_merges is false: HF would "
