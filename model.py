@@ -88,11 +88,13 @@ class CausalSelfAttention(nn.Module):
             kv[0][:, :, col:col + T] = k
             kv[1][:, :, col:col + T] = v
         elif kv is not None:  # decoding one token: col is a tensor, so every step runs the same shapes
-            kv[0].index_copy_(2, col, k)
-            kv[1].index_copy_(2, col, v)
+            # in the cache's dtype: under autocast rotary keeps q and k in float32 (cos and sin are), as HF's does
+            kv[0].index_copy_(2, col, k.to(kv[0].dtype))
+            kv[1].index_copy_(2, col, v.to(kv[1].dtype))
             # key_mask hides the padding and the columns not written yet. The nh // nkv query heads that share a kv
             # head are that head's queries (h uses kv head h // (nh // nkv)), so the cache is read, never repeated
-            y = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv * T, hs), *kv, attn_mask=key_mask)
+            y = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv * T, hs).to(kv[0].dtype), *kv,
+                                               attn_mask=key_mask)
             return self.resid_dropout(self.c_proj(y.reshape(B, nh * hs)[:, None]))
         # key_mask here: packed rows (B, 1, T, T), each token sees the earlier tokens of its own row only
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, is_causal=key_mask is None,

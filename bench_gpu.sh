@@ -1,0 +1,80 @@
+#!/bin/bash
+# The GPU measurements, one script that fits a few minutes of a lent GPU: the CUDA tests, a decode step eager vs
+# replayed as a CUDA graph, then bench.py at the presets (JSON out) and the GSM8K recipe's iterations at its real
+# shape (random weights: speed does not depend on them; a random model never samples eos, so every completion runs
+# to max_completion_length, the slowest case). Each step has its own time limit, so one that hangs costs only that.
+# $ OUT=gpu_results bash bench_gpu.sh          # results in $OUT: log.txt and one JSON per measurement
+# $ TESTS=0 OUT=gpu_results bash bench_gpu.sh  # the measurements only
+set -u
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+TMP=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/log.txt"; }
+step() { local limit=$1; shift; log "$*"; timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -40; \
+         log "exit ${PIPESTATUS[0]}"; }
+
+log "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/log.txt"
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/log.txt"
+
+[ "${TESTS:-1}" = 1 ] && step 150 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda.py
+
+# a decode step at 64 and 256 rows, cache 640 columns: eager, and replayed as a CUDA graph (no host work at all)
+step 60 python3 - "$OUT/decode_graph.json" <<'EOF'
+import json, sys, torch
+import bench
+from measure import timed
+res = {}
+for preset in ("gpt2", "qwen2.5-0.5b"):
+    for rows in (64, 256):
+        args = bench.get_args(["--preset", preset, "--device", "cuda", "--G", "1", "--prompts", str(rows)])
+        model, S = bench.build_model(args), 640
+        cfg = model.config
+        kv = [[torch.randn(rows, cfg.n_kv_head, S, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+               for _ in "kv"] for _ in range(cfg.n_layer)]
+        mask = torch.ones(rows, S, dtype=torch.bool, device="cuda")
+        tok, pos = torch.randint(0, cfg.vocab_size, (rows,), device="cuda"), torch.full((rows,), 600, device="cuda")
+        col, u = torch.tensor([600], device="cuda"), torch.rand(rows, 2, device="cuda")
+        def step():
+            with torch.no_grad(), bench.autocast(args):
+                return model.decode(tok, pos, kv, col, mask, u, 1.0, None, None)
+        eager = timed(step, "cuda", 20)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, cache_enabled=False), torch.cuda.graph(g):
+            model.decode(tok, pos, kv, col, mask, u, 1.0, None, None)
+        graph = timed(g.replay, "cuda", 20)
+        weights = sum(p.numel() for p in model.parameters()) * 2  # bf16 weights read once per step
+        cache = 2 * cfg.n_layer * rows * cfg.n_kv_head * S * cfg.head_dim * 2
+        res[f"{preset}_{rows}"] = r = dict(eager_ms=eager * 1e3, graph_ms=graph * 1e3, host_share=1 - graph / eager,
+                                           read_gb=(weights + cache) / 1e9,
+                                           graph_tb_s=(weights + cache) / graph / 1e12)
+        print(preset, rows, {k: round(v, 4) for k, v in r.items()})
+json.dump(res, open(sys.argv[1], "w"), indent=1)
+EOF
+
+step 150 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 --new_tokens 512 \
+    --only train_step,iteration --repeat 2 --json "$OUT/qwen05.json"
+
+# config/qwen_gsm8k.py as written but eager (no compile): bf16, activation checkpointing, 32 x 8 rows, completions
+# of 512, on a random Qwen2.5-0.5B: 3 iterations; prompts of 150 random letters (the byte tokenizer: a token each)
+python3 - "$TMP" <<'EOF'
+import os, sys
+import bench
+model = bench.build_model(bench.get_args(["--preset", "qwen2.5-0.5b", "--device", "cpu"]))
+model.save_pretrained(os.path.join(sys.argv[1], "qwen05"))
+bench.task_file(bench.get_args(["--prompt_len", "150"]), sys.argv[1])
+EOF
+step 120 python3 train.py config/qwen_gsm8k.py --init_from="$TMP/qwen05" --tokenizer=bytes --chat_template=none \
+    --system_prompt=None --task="$TMP/{split}.jsonl" --max_iters=3 --eval_interval=0 --save_interval=0 \
+    --out_dir="$TMP/run_gsm8k" --compile=False
+cp "$TMP/run_gsm8k/metrics.jsonl" "$OUT/qwen_gsm8k_metrics.jsonl" 2>/dev/null
+
+step 60 python3 bench.py --preset gpt2 --device cuda --only train_step --json "$OUT/gpt2.json"
+step 120 python3 bench.py --preset gpt2 --device cuda --only train_step --compile --json "$OUT/gpt2_compile.json"
+log "done"

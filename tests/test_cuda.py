@@ -1,0 +1,88 @@
+"""
+The CUDA code paths, which CI (no GPU) skips: on a machine with one, `python -m pytest tests/test_cuda.py`
+(bench_gpu.sh runs it first). The same properties as the CPU tests, on the GPU's kernels: the fixtures' logits
+against what transformers computed, the cached decode against full recomputation, a decode step replayed as a
+CUDA graph against the step itself, and a Qwen recipe as written (bf16 autocast, torch.compile, activation
+checkpointing) for two iterations of train.py.
+"""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model import GPT
+from test_families import FAMILIES, FIXTURES
+from test_model import uncached_generate
+from test_train import ROOT, metrics, run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def fixture(name):
+    path = os.path.join(FIXTURES, name)
+    return GPT.from_pretrained(path, dtype=torch.float32, device="cuda").eval(), load_file(
+        os.path.join(path, "reference.safetensors"), device="cuda")
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2-a"] + FAMILIES)
+def test_logits_match_hugging_face_on_cuda(name):
+    model, ref = fixture(name)
+    with torch.no_grad():
+        assert (model(ref["input_ids"]) - ref["logits"]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cached_equals_uncached_on_cuda(name):
+    model, ref = fixture(name)
+    prompts = [ref["greedy_prompt"][0].tolist(), ref["greedy_prompt"][0, :3].tolist()]
+    g = torch.Generator("cuda")
+    tokens, mask, logps = model.generate(prompts, 12, num_samples=3, generator=g.manual_seed(0))
+    with torch.device("cuda"):  # the reference's uniforms from the same generator, on the same device
+        want, want_lp, _ = uncached_generate(model, prompts, 12, num_samples=3, temperature=1.0,
+                                             generator=g.manual_seed(0))
+    assert torch.equal(tokens, want) and mask.all()
+    torch.testing.assert_close(logps, want_lp, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_step_replays_as_a_cuda_graph():
+    """The decode step has no host syncs and fixed shapes, so it can be captured once and replayed: the replay must
+    give the eager step's tokens and log-probs for new inputs copied into the captured ones."""
+    model, _ = fixture("tiny-qwen2-a")
+    cfg, n, S = model.config, 8, 64
+    kv = [[torch.randn(n, cfg.n_kv_head, S, cfg.head_dim, device="cuda") for _ in "kv"] for _ in range(cfg.n_layer)]
+    key_mask = torch.ones(n, S, dtype=torch.bool, device="cuda")
+    inputs = dict(tok=torch.randint(0, cfg.vocab_size, (n,), device="cuda"), pos=torch.full((n,), 20, device="cuda"),
+                  col=torch.tensor([20], device="cuda"), u=torch.rand(n, 2, device="cuda"))
+    step = lambda: model.decode(inputs["tok"], inputs["pos"], kv, inputs["col"], key_mask, inputs["u"], 1.0, None,
+                                None)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        step()  # warm-up off the capture stream, as capture requires
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = step()
+    for t in range(21, 25):
+        fresh = dict(tok=torch.randint(0, cfg.vocab_size, (n,), device="cuda"), pos=torch.full((n,), t, device="cuda"),
+                     col=torch.tensor([t], device="cuda"), u=torch.rand(n, 2, device="cuda"))
+        for k, v in fresh.items():
+            inputs[k].copy_(v)
+        graph.replay()
+        with torch.no_grad():
+            want = step()
+        assert torch.equal(out[0], want[0])
+        torch.testing.assert_close(out[1], want[1], atol=1e-6, rtol=1e-6)
+
+
+def test_qwen_recipe_as_written_on_cuda(tmp_path):
+    """bf16 autocast, torch.compile and activation checkpointing on the GPU, with the tiny model and tokenizer:
+    config/qwen_countdown.py, whose second optimizer step of each rollout is off-policy (the clip is live)."""
+    fixtures = os.path.join(ROOT, "tests", "fixtures")
+    out = tmp_path / "out"
+    run(["config/qwen_countdown.py", "--max_iters=2", f"--init_from={fixtures}/tiny-qwen2-a", "--block_size=256",
+         f"--tokenizer={fixtures}/tiny-bpe-a", "--eval_interval=2", "--device=cuda", "--task=countdown",
+         "--task_options={'count': (3,)}"], out)
+    rows = [m for m in metrics(out) if "reward" in m]
+    assert [m["iter"] for m in rows] == [0, 1] and all(m["mfu"] > 0 for m in rows)
