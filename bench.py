@@ -6,7 +6,7 @@ Without --preset the model is a 6-layer, 384-wide GPT-2; a preset is a real mode
 
 $ python bench.py                                  # GRPO-shaped: 8 prompts x G=8, prompt 64, completion 128
 $ python bench.py --prompts 4 --G 16 --prompt_len 32 --new_tokens 64   # the smaller shape of the first benchmark
-$ python bench.py --preset gpt2 --device cuda --compile --json bench.json
+$ python bench.py --preset gpt2 --device cuda --compile --cuda_graphs --json bench.json   # bench_gpu.sh: all of it
 $ OMP_NUM_THREADS=2 python bench.py --preset qwen2.5-0.5b --n_layer 4 --json bench_qwen25.json
 $ python bench.py --preset qwen3-0.6b --n_layer 4       # or --preset llama-3.2-1b
 $ python bench.py --soak                           # 200 iterations of train.py: does its memory stay flat?
@@ -48,6 +48,8 @@ PRESETS = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
     "qwen2.5-0.5b": dict(QWEN, model_type="qwen2", n_layer=24, n_head=14, n_kv_head=2, n_embd=896, n_inner=4864,
                          qkv_bias=True),
+    "qwen2.5-3b": dict(QWEN, model_type="qwen2", n_layer=36, n_head=16, n_kv_head=2, n_embd=2048, n_inner=11008,
+                       qkv_bias=True),
     "qwen3-0.6b": dict(QWEN, model_type="qwen3", n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_dim=128,
                        n_inner=3072, qk_norm=True),
     "llama-3.2-1b": dict(model_type="llama", n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, n_inner=8192,
@@ -72,7 +74,8 @@ def get_args(argv=None):
     p.add_argument("--micro_batch_size", type=int, default=16, help="rows per forward/backward of a training step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype; default bfloat16 on CUDA")
-    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    p.add_argument("--compile", action="store_true", help="torch.compile the forward and the decode step")
+    p.add_argument("--cuda_graphs", action="store_true", help="replay decode steps as CUDA graphs (engine.py)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best is kept)")
     p.add_argument("--naive_points", type=int, default=4,
                    help="sequence lengths the naive sampler is timed at (0: run it for every token)")
@@ -105,6 +108,7 @@ def build_model(args):
     if args.compile:  # as train.py's compile: the forward (training's log-prob path) and generate's decode step
         model.compile()
         model.decode = torch.compile(model.decode, fullgraph=True)
+    model.decode_graphs = args.cuda_graphs
     return model
 
 def make_prompts(args, lengths=None):
@@ -154,11 +158,11 @@ def timed_peak(fn, args):
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
 
 def run_train(args, out_dir, env=None, ranks=1, **overrides):
-    """Run train.py with no warm start on args' device, dtype and compile, with --key=value overrides and the
-    environment env (default: this one), on `ranks` processes (torchrun); return its training iterations' metrics
-    from out_dir/metrics.jsonl."""
-    config = dict(device=args.device, dtype=args.dtype, compile=args.compile, sft_iters=0, out_dir=out_dir,
-                  **overrides)
+    """Run train.py with no warm start on args' device, dtype, compile and CUDA graphs, with --key=value overrides
+    and the environment env (default: this one), on `ranks` processes (torchrun); return its training iterations'
+    metrics from out_dir/metrics.jsonl."""
+    config = dict(device=args.device, dtype=args.dtype, compile=args.compile, cuda_graphs=args.cuda_graphs,
+                  sft_iters=0, out_dir=out_dir, **overrides)
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
                                    if ranks > 1 else [])
     cmd = launcher + ["train.py"] + [f"--{k}={v!r}" for k, v in config.items()]

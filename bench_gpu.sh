@@ -1,12 +1,15 @@
 #!/bin/bash
-# The GPU measurements, one script that fits a few minutes of a lent GPU: the CUDA tests, a decode step eager vs
-# replayed as a CUDA graph, then bench.py at the presets (JSON out) and the GSM8K recipe's iterations at its real
-# shape (random weights: speed does not depend on them; a random model never samples eos, so every completion runs
+# The GPU measurements, one script for a lent GPU (about 15 minutes in all; run parts of it to fit): the CUDA
+# tests, a decode step eager vs replayed as a CUDA graph, then bench.py at the presets (JSON out) and the Qwen
+# recipes' iterations at their real shapes (random weights: speed does not depend on them; a random model never samples eos, so every completion runs
 # to max_completion_length, the slowest case). Each step has its own time limit, so one that hangs costs only that.
 # $ OUT=gpu_results bash bench_gpu.sh          # results in $OUT: log.txt and one JSON per measurement
 # $ TESTS=0 OUT=gpu_results bash bench_gpu.sh  # the measurements only
+# $ GRAPHS=--cuda_graphs OUT=gpu_results bash bench_gpu.sh  # generate with CUDA graphs (engine.py)
+# docs/h200/ holds the first run's output (TESTS=0, no GRAPHS, without the last step)
 set -u
 OUT=${OUT:-gpu_results}
+GRAPHS=${GRAPHS:-}
 mkdir -p "$OUT"
 TMP=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -59,7 +62,7 @@ json.dump(res, open(sys.argv[1], "w"), indent=1)
 EOF
 
 step 150 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 --new_tokens 512 \
-    --only train_step,iteration --repeat 2 --json "$OUT/qwen05.json"
+    --only train_step,iteration --repeat 2 --json "$OUT/qwen05.json" $GRAPHS
 
 # config/qwen_gsm8k.py as written but eager (no compile): bf16, activation checkpointing, 32 x 8 rows, completions
 # of 512, on a random Qwen2.5-0.5B: 3 iterations; prompts of 150 random letters (the byte tokenizer: a token each)
@@ -72,9 +75,23 @@ bench.task_file(bench.get_args(["--prompt_len", "150"]), sys.argv[1])
 EOF
 step 120 python3 train.py config/qwen_gsm8k.py --init_from="$TMP/qwen05" --tokenizer=bytes --chat_template=none \
     --system_prompt=None --task="$TMP/{split}.jsonl" --max_iters=3 --eval_interval=0 --save_interval=0 \
-    --out_dir="$TMP/run_gsm8k" --compile=False
+    --out_dir="$TMP/run_gsm8k" --compile=False --cuda_graphs=$([ -n "$GRAPHS" ] && echo True || echo False)
 cp "$TMP/run_gsm8k/metrics.jsonl" "$OUT/qwen_gsm8k_metrics.jsonl" 2>/dev/null
+
+# config/qwen_countdown.py the same way on a random Qwen2.5-3B (32 x 8 rows, completions of 1024): 2 iterations
+python3 - "$TMP" <<'EOF'
+import os, sys
+import bench
+bench.build_model(bench.get_args(["--preset", "qwen2.5-3b", "--device", "cpu"])).save_pretrained(
+    os.path.join(sys.argv[1], "qwen3b"))
+EOF
+step 200 python3 train.py config/qwen_countdown.py --init_from="$TMP/qwen3b" --tokenizer=bytes --chat_template=none \
+    --system_prompt=None --max_iters=2 --eval_interval=0 --save_interval=0 --out_dir="$TMP/run_countdown" \
+    --compile=False --cuda_graphs=$([ -n "$GRAPHS" ] && echo True || echo False)
+cp "$TMP/run_countdown/metrics.jsonl" "$OUT/qwen_countdown_metrics.jsonl" 2>/dev/null
 
 step 60 python3 bench.py --preset gpt2 --device cuda --only train_step --json "$OUT/gpt2.json"
 step 120 python3 bench.py --preset gpt2 --device cuda --only train_step --compile --json "$OUT/gpt2_compile.json"
+step 120 python3 bench.py --preset gpt2 --device cuda --only train_step --compile --micro_batch_size 64 \
+    --json "$OUT/gpt2_compile_mb64.json"
 log "done"

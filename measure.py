@@ -51,9 +51,16 @@ def lap(times, key, since, device):
 @functools.lru_cache(maxsize=4)  # once per process and dtype: tests run train.py many times in one process
 def matmul_peak(device, dtype=torch.float32, repeat=5):
     """The machine's own matmul throughput in FLOP/s in `dtype` (a big square matmul), and what was measured. MFU
-    is against this, not a datasheet: CPUs differ 2x in float32 and some have bf16 matrix units."""
-    n = 8192 if torch.device(device).type == 'cuda' else 2048
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    is against this, not a datasheet: CPUs differ 2x in float32 and some have bf16 matrix units. On a CPU the size
+    doubles from 256 up to 2048 while one product takes under 50 ms: bf16 without matrix units runs ~100x slower
+    than float32 there, and a 2048 one would take minutes."""
+    cuda = torch.device(device).type == 'cuda'
+    n = 8192 if cuda else 256
+    while True:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        if cuda or n >= 2048 or timed(lambda: a @ b, device, repeat=1) > 0.05:
+            break
+        n *= 2
     seconds = timed(lambda: a @ b, device, repeat=repeat)
     return 2 * n**3 / seconds, f"{n}x{n} {dtype}".replace('torch.', '')
 

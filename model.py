@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+import engine
 import hf
 from sampling import sample
 
@@ -177,6 +178,7 @@ class GPT(nn.Module):
         if config.tie_word_embeddings:  # GPT-2, and the small Qwen and Llama-3.2 models
             self.transformer.wte.weight = self.lm_head.weight
         self.gradient_checkpointing = False  # train.py's: recompute each block in backward, keeping only its input
+        self.decode_graphs = False  # train.py's cuda_graphs: generate replays its decode steps as graphs (engine.py)
         self.apply(self._init_weights)
         # GPT-2 paper: scale the residual projections by 1/sqrt(number of residual additions)
         for name, p in self.named_parameters():
@@ -284,7 +286,6 @@ class GPT(nn.Module):
         dev = self.lm_head.weight.device.type
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.lm_head.weight.dtype
 
-    @torch.inference_mode()
     def generate(self, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None,
                  eos_id=None, generator=None):
         """Sample num_samples completions for each prompt (a list of token-id lists of any lengths).
@@ -297,93 +298,11 @@ class GPT(nn.Module):
         reported at temperature 1. generator: one torch.Generator for the whole batch, or a list of one per prompt,
         whose draws then depend on nothing else: a prompt gets the same samples alone or in any batch.
 
-        Each prompt is prefilled once, straight into the cache rows of its samples, right-aligned so that every row
-        then decodes at the same cache column; a per-row key mask hides the left padding."""
-        lengths = [len(p) for p in prompts]
-        for i, n in enumerate(lengths):
-            if n == 0:
-                raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token to condition on")
-            if n + max_new_tokens > self.config.block_size:
-                raise ValueError(f"prompt {i} has {n} tokens and max_new_tokens is {max_new_tokens}, more than "
-                                 f"block_size {self.config.block_size}: shorten the prompt or lower max_new_tokens")
-        if not prompts or max_new_tokens < 1 or num_samples < 1 or temperature < 0:
-            raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, num_samples >= 1 and "
-                             "temperature >= 0")
-        if (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-            raise ValueError(f"top_k must be >= 1 and top_p in (0, 1], got top_k={top_k} top_p={top_p}")
-        was_training = self.training
-        self.eval()
-        try:
-            return self._generate(prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator)
-        finally:
-            self.train(was_training)
-
-    def _generate(self, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_id, generator):
-        cfg, dev = self.config, self.lm_head.weight.device
-        dtype = self._dtype()
-        N, P = len(prompts) * G, max(len(p) for p in prompts)
-        S = P + max_new_tokens - 1  # the last sampled token is never fed back
-        lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(G)  # (N,)
-        # each layer's keys and values (N, nkv, S, hs), two tensors that a compiled decode can update in place; zeros,
-        # not empty: masked columns get attention weight 0, and 0 * NaN garbage would still be NaN
-        kv = [[torch.zeros(N, cfg.n_kv_head, S, cfg.head_dim, dtype=dtype, device=dev) for _ in "kv"]
-              for _ in range(cfg.n_layer)]
-        rows_of = lambda r: [(k[r], v[r]) for k, v in kv]  # the cache of some rows: a slice (view) or a gather
-        key_mask = torch.arange(S, device=dev) >= (P - lens)[:, None]  # (N, S) False on each row's left padding
-        logits = torch.empty(N, cfg.vocab_size, device=dev)
-        for i, p in enumerate(prompts):
-            rows = slice(i * G, (i + 1) * G)
-            h = self._hidden(torch.tensor(p, device=dev)[None], kv=rows_of(rows), col=P - len(p))  # (1, len, C)
-            logits[rows] = self.lm_head(h[:, -1])  # one row of logits, which each sample row draws from on its own
-
-        # every uniform the sampler will use, drawn up front: two per row and step (see _draw)
-        if isinstance(generator, (list, tuple)):
-            if len(generator) != len(prompts):
-                raise ValueError(f"{len(generator)} generators for {len(prompts)} prompts; give one per prompt")
-            u = torch.cat([torch.rand(max_new_tokens, G, 2, device=dev, generator=g) for g in generator], 1)
-        else:
-            u = torch.rand(max_new_tokens, N, 2, device=dev, generator=generator)  # (steps, N, 2)
-        eos = None if eos_id is None else torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id)),
-                                                       device=dev)
-        fill = 0 if eos is None else int(eos[0])
-        tokens = torch.full((max_new_tokens, N), fill, device=dev)  # step-major: each step writes one row
-        logps = torch.zeros(max_new_tokens, N, device=dev)
-        live = torch.arange(N, device=dev)  # output row of each batch row; the batch shrinks as rows finish
-        done = torch.zeros(N, dtype=torch.bool, device=dev)
-        cols = torch.arange(P, S, device=dev)  # the cache column of each step's input token, the same for every row
-        check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
-        # a step attends over the cache columns written so far, rounded up to a multiple of 64 (a few shapes for a
-        # compiled step): reading the keys and values is most of a decode step's time outside the matmuls
-        width = 0
-        tok, lp = sample(logits, temperature, top_k, top_p, u[0])  # (N,), (N,)
-        for t in range(max_new_tokens):
-            tokens[t].index_copy_(0, live, tok.masked_fill(done, fill))
-            logps[t].index_copy_(0, live, lp.masked_fill(done, 0.0))
-            if eos is not None:
-                done = done | torch.isin(tok, eos)
-            if t == max_new_tokens - 1:
-                break
-            if t % check_every == check_every - 1:
-                keep = (~done).nonzero().squeeze(1)
-                if keep.numel() == 0:
-                    break
-                if keep.numel() <= 0.75 * done.numel():  # drop finished rows, but not for a few: it copies the cache
-                    kv, live, lens, key_mask = rows_of(keep), live[keep], lens[keep], key_mask[keep]
-                    tok, done, width = tok[keep], done[keep], 0
-            if P + t + 1 > width:
-                width = min(S, (P + t + 64) // 64 * 64)
-                step_kv, step_mask = [(k[:, :, :width], v[:, :, :width]) for k, v in kv], key_mask[:, :width]
-            tok, lp = self.decode(tok, lens + t, step_kv, cols[t:t + 1], step_mask, u[t + 1].index_select(0, live),
-                                  temperature, top_k, top_p)
-
-        tokens, logps = tokens.t(), logps.t()  # (N, max_new_tokens)
-        if eos is None:
-            mask = torch.ones_like(tokens, dtype=torch.bool)
-        else:  # real tokens: no eos strictly before them (rows end with eos, then are filled with it)
-            is_eos = torch.isin(tokens, eos).int()
-            mask = (is_eos.cumsum(1) - is_eos) == 0
-        L = int(mask.any(0).sum())  # rows only ever end, so the steps with a live row are a prefix
-        return tokens[:, :L].contiguous(), mask[:, :L].contiguous(), logps[:, :L].contiguous()
+        The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its samples,
+        right-aligned so that every row then decodes at the same cache column (a per-row key mask hides the left
+        padding), in a static cache the model keeps across calls."""
+        return engine.generate(self, prompts, max_new_tokens, num_samples=num_samples, temperature=temperature,
+                               top_k=top_k, top_p=top_p, eos_id=eos_id, generator=generator)
 
     def decode(self, tok, pos, kv, col, key_mask, u, temperature, top_k, top_p):
         """One step of generate: feed tok (n,) at positions pos (n,), its keys and values going into cache column col

@@ -147,6 +147,7 @@ parallel = 'ddp'  # under torchrun: 'ddp' (each rank holds everything) or 'fsdp'
 device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = 'float32'  # 'float32', 'float64' (exactness tests), 'bfloat16'/'float16' (autocast)
 compile = False
+cuda_graphs = False  # on CUDA, replay generate's decode steps as CUDA graphs (engine.py): no host overhead per token
 gradient_checkpointing = False  # recompute each block in backward: activations of one block, not all
 seed = 1337
 peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at start
@@ -272,6 +273,7 @@ if fsdp:  # in place: raw_model is the sharded model
 if compile:
     model = torch.compile(model)  # the training forward, i.e. the log-prob path
     raw_model.decode = torch.compile(raw_model.decode, fullgraph=True)  # generate's step, sampling included
+raw_model.decode_graphs = cuda_graphs and device_type == 'cuda'
 if distributed and not fsdp:
     model = DDP(model, device_ids=[int(device.split(':')[1])] if device_type == 'cuda' else None)
 

@@ -453,10 +453,10 @@ def fig_decode(plt, out, size):
     prompts = torch.randint(V, (size['prompts'], 16), generator=torch.Generator().manual_seed(0)).tolist()
     decode, record = model.decode, []
 
-    def timed(tok, *args):
+    def timed(**step):  # engine.py passes the step's inputs by name
         t = time.perf_counter()
-        result = decode(tok, *args)
-        record.append((time.perf_counter() - t, len(tok)))  # eager on the CPU: the work is done when it returns
+        result = decode(**step)
+        record.append((time.perf_counter() - t, len(step['tok'])))  # eager on the CPU: done when it returns
         return result
     model.decode = timed
     cases = {'no row ends': None, 'rows end at eos': list(range(V - V // 32, V))}

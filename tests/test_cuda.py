@@ -2,8 +2,8 @@
 The CUDA code paths, which CI (no GPU) skips: on a machine with one, `python -m pytest tests/test_cuda.py`
 (bench_gpu.sh runs it first). The same properties as the CPU tests, on the GPU's kernels: the fixtures' logits
 against what transformers computed, the cached decode against full recomputation, a decode step replayed as a
-CUDA graph against the step itself, and a Qwen recipe as written (bf16 autocast, torch.compile, activation
-checkpointing) for two iterations of train.py.
+CUDA graph against the step itself, generate with engine.py's graphs against without, and a Qwen recipe as
+written (bf16 autocast, torch.compile, activation checkpointing) with CUDA graphs for two iterations of train.py.
 """
 import os
 
@@ -76,13 +76,32 @@ def test_decode_step_replays_as_a_cuda_graph():
         torch.testing.assert_close(out[1], want[1], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_generate_with_cuda_graphs_samples_the_same(autocast):
+    """engine.py's graphs (model.decode_graphs) against the eager steps, in float32 and under bf16 autocast, over
+    two calls (the second replays the first's graphs) and after an in-place weight change (the graphs read it)."""
+    model, _ = fixture("tiny-qwen2-a")
+    run = lambda graphs: (setattr(model, "decode_graphs", graphs), model.generate(
+        [[5, 17, 200], [1, 2, 3, 4, 5, 6, 7], [42]], 70, num_samples=4, eos_id=226,
+        generator=torch.Generator("cuda").manual_seed(0)))[1]
+    for change in (False, False, True):
+        if change:
+            with torch.no_grad():
+                model.lm_head.weight.mul_(1.1)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            want, got = run(False), run(True)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        torch.testing.assert_close(want[2], got[2], atol=1e-5, rtol=0)
+
+
 def test_qwen_recipe_as_written_on_cuda(tmp_path):
-    """bf16 autocast, torch.compile and activation checkpointing on the GPU, with the tiny model and tokenizer:
-    config/qwen_countdown.py, whose second optimizer step of each rollout is off-policy (the clip is live)."""
+    """bf16 autocast, torch.compile, CUDA graphs and activation checkpointing on the GPU, with the tiny model and
+    tokenizer: config/qwen_countdown.py, whose second optimizer step of each rollout is off-policy (the clip is
+    live)."""
     fixtures = os.path.join(ROOT, "tests", "fixtures")
     out = tmp_path / "out"
     run(["config/qwen_countdown.py", "--max_iters=2", f"--init_from={fixtures}/tiny-qwen2-a", "--block_size=256",
-         f"--tokenizer={fixtures}/tiny-bpe-a", "--eval_interval=2", "--device=cuda", "--task=countdown",
-         "--task_options={'count': (3,)}"], out)
+         f"--tokenizer={fixtures}/tiny-bpe-a", "--eval_interval=2", "--device=cuda", "--cuda_graphs=True",
+         "--task=countdown", "--task_options={'count': (3,)}"], out)
     rows = [m for m in metrics(out) if "reward" in m]
     assert [m["iter"] for m in rows] == [0, 1] and all(m["mfu"] > 0 for m in rows)

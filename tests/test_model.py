@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import engine
 from model import GPT, GPTConfig, HeadLogprobs
 from sampling import sample
 
@@ -115,6 +116,50 @@ def test_decode_step_compiles_to_one_graph(fixture):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     for a, b in zip(eager, traced):
         assert torch.equal(a, b)
+
+def test_static_cache_is_kept_and_grown():
+    """The cache outlives a call (a graph needs its addresses fixed): a smaller call reuses it, a larger one grows
+    it, and what a call samples does not depend on what earlier calls left in it."""
+    gen = lambda: torch.Generator().manual_seed(0)
+    model = GPT.from_pretrained(FIXTURE).eval()
+    first = model.generate(PROMPTS[:1], 8, num_samples=2, generator=gen())
+    k = engine._CACHES[model]["kv"][0][0]
+    assert k.shape[0] == 2 and model.generate(PROMPTS[:1], 4, generator=gen()) and \
+        engine._CACHES[model]["kv"][0][0].data_ptr() == k.data_ptr()  # 1 row, 4 steps: the same cache
+    model.generate(PROMPTS, 20, num_samples=3, generator=gen())
+    assert engine._CACHES[model]["kv"][0][0].shape[0] == 3 * len(PROMPTS)
+    for a, b in zip(first, model.generate(PROMPTS[:1], 8, num_samples=2, generator=gen())):
+        assert torch.equal(a, b)
+
+def test_decode_graphs_sample_the_same(tiny):
+    """model.decode_graphs: each decode step replayed from a graph captured once per (rows, width), kept with the
+    static cache across calls. On CPU the replay is the step called on the captured inputs (engine._capture), so
+    this checks the plumbing: static inputs, outputs overwritten in place, graphs reused across calls, following
+    weights changed in place, dropped when a weight moves. tests/test_cuda.py runs the same on CUDA graphs."""
+    gen, eos = lambda: torch.Generator().manual_seed(0), 226  # eos: rows end at different steps
+    model = GPT.from_pretrained(FIXTURE).eval()
+    run = lambda graphs: (setattr(model, "decode_graphs", graphs),
+                             model.generate(PROMPTS, 70, num_samples=2, eos_id=eos, generator=gen()))[1]
+
+    def same(a, b):  # without graphs finished rows are dropped, so the matmuls' shapes differ: log-probs to 1e-5
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        torch.testing.assert_close(a[2], b[2], atol=1e-5, rtol=0)
+    want = run(False)
+    assert not want[1].all()
+    same(run(True), want)
+    replays = lambda: {key: run for key, (_, run) in engine._CACHES[model]["graphs"].items()}
+    graphs = replays()
+    assert len(graphs) == 2  # 70 steps after prompts of up to 7 tokens: widths 64 and 76, the whole cache
+    same(run(True), want)
+    assert replays() == graphs  # the same graphs replayed
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # in place, as the optimizer: the graphs read it
+    want = run(False)
+    same(run(True), want)
+    assert replays() == graphs
+    model.lm_head.weight.data = model.lm_head.weight.data.clone()  # moved: the graphs would read the old copy
+    same(run(True), want)
+    assert replays().keys() == graphs.keys() and all(replays()[key] is not graphs[key] for key in graphs)
 
 def test_ragged_batch_equals_each_prompt_alone(tiny):
     eos = 226  # frequent in this checkpoint's greedy continuations: rows end at different steps

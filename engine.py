@@ -1,0 +1,178 @@
+"""
+The sampling engine behind GPT.generate: G completions per prompt from a KV cache that the model keeps, each
+prompt prefilled once straight into the cache rows of its samples (as nanochat's engine does), then every row
+decoded together one token a step with GPT.decode.
+
+The cache is static: allocated once for the largest batch and sequence seen, kept across calls, and never moved
+(finished rows are dropped by copying the live ones into its first rows). So a decode step reads and writes the
+same addresses from call to call, which is what a CUDA graph needs: with model.decode_graphs each step's kernels
+are captured once per (rows, attended width) and replayed, with no Python, dispatch or launch cost. Measured on an
+H200 (docs/h200/decode_graph.json): a Qwen2.5-0.5B decode step at 64 rows takes 22.1 ms eagerly, of which 83% is
+host overhead, and 3.8 ms replayed. On the CPU the same code runs with the step called where a graph would replay.
+A graph replays the kernels the step launched at capture: switches read in Python (LoRA's merged weights or active
+adapters) must be set the same way at every call, as train.py's rollouts do.
+"""
+import weakref
+
+import torch
+
+from sampling import sample
+
+_CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the module, so state_dict and deepcopy skip it
+
+
+@torch.inference_mode()
+def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None, eos_id=None,
+             generator=None):
+    """GPT.generate's body: see its docstring."""
+    lengths = [len(p) for p in prompts]
+    for i, n in enumerate(lengths):
+        if n == 0:
+            raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token to condition on")
+        if n + max_new_tokens > model.config.block_size:
+            raise ValueError(f"prompt {i} has {n} tokens and max_new_tokens is {max_new_tokens}, more than "
+                             f"block_size {model.config.block_size}: shorten the prompt or lower max_new_tokens")
+    if not prompts or max_new_tokens < 1 or num_samples < 1 or temperature < 0:
+        raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, num_samples >= 1 and "
+                         "temperature >= 0")
+    if (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+        raise ValueError(f"top_k must be >= 1 and top_p in (0, 1], got top_k={top_k} top_p={top_p}")
+    was_training = model.training
+    model.eval()
+    try:
+        return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator)
+    finally:
+        model.train(was_training)
+
+
+def static_cache(model, N, S, dtype, device):
+    """The model's KV cache with at least N rows and S columns: per layer keys and values (rows, nkv, cols, hs),
+    and a key mask (rows, cols). Kept for the next call; grown (to the largest rows and columns asked so far, its
+    graphs dropped) only when a call needs more. Zeros, not empty: masked columns get attention weight 0, and 0 * NaN
+    garbage would still be NaN; after that only the model's own keys and values are ever written."""
+    cfg, c = model.config, _CACHES.get(model)
+    if c is None or c["kv"][0][0].shape[0] < N or c["kv"][0][0].shape[2] < S or c["kv"][0][0].dtype != dtype or \
+            c["kv"][0][0].device != device:
+        rows, cols = (N, S) if c is None else (max(N, c["mask"].shape[0]), max(S, c["mask"].shape[1]))
+        _CACHES.pop(model, None)  # free the old one before allocating the new
+        c = _CACHES[model] = dict(
+            kv=[[torch.zeros(rows, cfg.n_kv_head, cols, cfg.head_dim, dtype=dtype, device=device) for _ in "kv"]
+                for _ in range(cfg.n_layer)], mask=torch.zeros(rows, cols, dtype=torch.bool, device=device),
+            graphs={}, pool=torch.cuda.graph_pool_handle() if device.type == "cuda" else None, weights=None)
+    if model.decode_graphs:  # a graph reads the weights where they were at capture
+        weights = [p.data_ptr() for p in model.parameters()]
+        if weights != c["weights"]:
+            c["graphs"], c["weights"] = {}, weights
+    return c
+
+
+def _capture(fn, cache):
+    """fn() as a graph: returns run(), which replays fn's kernels and returns its outputs, the same tensors each
+    time, overwritten. fn must only read tensors that outlive the graph (the cache, the weights, static inputs). Off
+    CUDA run() calls fn and copies its outputs into the first call's, so the CPU tests run this same code path."""
+    if cache["pool"] is None:
+        out = fn()
+        return lambda: [o.copy_(new) for o, new in zip(out, fn())]
+    side = torch.cuda.Stream()  # warm-up off the capture stream (lazy initialisations, torch.compile's compile)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # writes the cache column the replay will write again, with the same values
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # autocast's cache of bf16 weight copies lives only as long as the caller's autocast block: the graph must cast
+    # the weights itself, into its own memory
+    with torch.autocast("cuda", torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"),
+                        cache_enabled=False), torch.cuda.graph(graph, pool=cache["pool"]):
+        out = fn()
+
+    def run():
+        graph.replay()
+        return out
+    return run
+
+
+def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_id, generator):
+    cfg, dev = model.config, model.lm_head.weight.device
+    dtype = model._dtype()
+    N, P = len(prompts) * G, max(len(p) for p in prompts)
+    S = P + max_new_tokens - 1  # the last sampled token is never fed back
+    cache = static_cache(model, N, S, dtype, dev)
+    kv = [(k[:N], v[:N]) for k, v in cache["kv"]]  # each layer's keys and values (N, nkv, cols, hs): views
+    lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(G)  # (N,)
+    key_mask = cache["mask"][:N]
+    key_mask.copy_(torch.arange(key_mask.size(1), device=dev) >= (P - lens)[:, None])  # (N, cols) False: left padding
+    logits = torch.empty(N, cfg.vocab_size, device=dev)
+    for i, p in enumerate(prompts):
+        rows = slice(i * G, (i + 1) * G)
+        h = model._hidden(torch.tensor(p, device=dev)[None], kv=[(k[rows], v[rows]) for k, v in kv],
+                          col=P - len(p))  # (1, len, C)
+        logits[rows] = model.lm_head(h[:, -1])  # one row of logits, which each sample row draws from on its own
+
+    # every uniform the sampler will use, drawn up front: two per row and step (see sampling._draw)
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != len(prompts):
+            raise ValueError(f"{len(generator)} generators for {len(prompts)} prompts; give one per prompt")
+        u = torch.cat([torch.rand(max_new_tokens, G, 2, device=dev, generator=g) for g in generator], 1)
+    else:
+        u = torch.rand(max_new_tokens, N, 2, device=dev, generator=generator)  # (steps, N, 2)
+    eos = None if eos_id is None else torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id)),
+                                                   device=dev)
+    fill = 0 if eos is None else int(eos[0])
+    tokens = torch.full((max_new_tokens, N), fill, device=dev)  # step-major: each step writes one row
+    logps = torch.zeros(max_new_tokens, N, device=dev)
+    live = torch.arange(N, device=dev)  # output row of each batch row; the batch shrinks as rows finish
+    done = torch.zeros(N, dtype=torch.bool, device=dev)
+    cols = torch.arange(P, S, device=dev)  # the cache column of each step's input token, the same for every row
+    check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
+    graphs = model.decode_graphs
+    # a step attends over the cache columns written so far, rounded up to a multiple of 64 (a few shapes for a
+    # compiled step or a graph): reading the keys and values is most of a decode step's time outside the matmuls
+    width = 0
+    tok, lp = sample(logits, temperature, top_k, top_p, u[0])  # (N,), (N,)
+    for t in range(max_new_tokens):
+        tokens[t].index_copy_(0, live, tok.masked_fill(done, fill))
+        logps[t].index_copy_(0, live, lp.masked_fill(done, 0.0))
+        if eos is not None:
+            done = done | torch.isin(tok, eos)
+        if t == max_new_tokens - 1:
+            break
+        if t % check_every == check_every - 1:
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            # drop finished rows, but not for a few: it copies the cache. Not with graphs either: a graph per batch
+            # size would be captured, and a finished row costs a replayed step little (weights are read once)
+            if keep.numel() <= 0.75 * done.numel() and not graphs:
+                n = keep.numel()
+                for k, v in kv:  # the live rows into the first n, in order: the cache never moves
+                    k[:n, :, :S], v[:n, :, :S] = k[keep, :, :S], v[keep, :, :S]
+                key_mask[:n] = key_mask[keep]
+                kv, key_mask = [(k[:n], v[:n]) for k, v in kv], key_mask[:n]
+                live, lens, tok, done, width = live[keep], lens[keep], tok[keep], done[keep], 0
+        if P + t + 1 > width:
+            width = min(S, (P + t + 64) // 64 * 64)  # S, not the cache's columns: the same sums, call to call
+            step_kv, step_mask = [(k[:, :, :width], v[:, :, :width]) for k, v in kv], key_mask[:, :width]
+        inputs = dict(tok=tok, pos=lens + t, col=cols[t:t + 1], u=u[t + 1].index_select(0, live))
+        if not graphs:
+            tok, lp = model.decode(kv=step_kv, key_mask=step_mask, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   **inputs)
+            continue
+        key = (len(tok), width, temperature, top_k, top_p, dtype)
+        if key not in cache["graphs"]:
+            static = {name: x.clone() for name, x in inputs.items()}  # the inputs every replay reads
+            step = lambda kv=step_kv, key_mask=step_mask, static=static: model.decode(  # bound now, not at call
+                kv=kv, key_mask=key_mask, temperature=temperature, top_k=top_k, top_p=top_p, **static)
+            cache["graphs"][key] = static, _capture(step, cache)
+        static, run = cache["graphs"][key]
+        for name, x in inputs.items():
+            static[name].copy_(x)
+        tok, lp = run()
+
+    tokens, logps = tokens.t(), logps.t()  # (N, max_new_tokens)
+    if eos is None:
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+    else:  # real tokens: no eos strictly before them (rows end with eos, then are filled with it)
+        is_eos = torch.isin(tokens, eos).int()
+        mask = (is_eos.cumsum(1) - is_eos) == 0
+    L = int(mask.any(0).sum())  # rows only ever end, so the steps with a live row are a prefix
+    return tokens[:, :L].contiguous(), mask[:, :L].contiguous(), logps[:, :L].contiguous()
