@@ -1,15 +1,17 @@
 #!/bin/bash
-# The GPU measurements, one script for a lent GPU (about 15 minutes in all; run parts of it to fit): the CUDA
-# tests, a decode step eager vs replayed as a CUDA graph, then bench.py at the presets (JSON out) and the Qwen
-# recipes' iterations at their real shapes (random weights: speed does not depend on them; a random model never samples eos, so every completion runs
-# to max_completion_length, the slowest case). Each step has its own time limit, so one that hangs costs only that.
-# $ OUT=gpu_results bash bench_gpu.sh          # results in $OUT: log.txt and one JSON per measurement
-# $ TESTS=0 OUT=gpu_results bash bench_gpu.sh  # the measurements only
-# $ GRAPHS=--cuda_graphs OUT=gpu_results bash bench_gpu.sh  # generate with CUDA graphs (engine.py)
-# docs/h200/ holds the first run's output (TESTS=0, no GRAPHS, without the last step)
+# The GPU measurements for a lent GPU, in named parts (each with its own time limit, so one that hangs costs only
+# that): tests (tests/test_cuda.py), probe (a decode step eager vs replayed as a CUDA graph), qwen05 (bench.py at
+# the Qwen2.5-0.5B shape: training step and whole iterations), gsm8k and countdown (the Qwen recipes' iterations on
+# random Qwen2.5-0.5B and 3B weights: speed does not depend on them; a random model never samples eos, so every
+# completion runs to max_completion_length, the slowest case), gpt2 (training steps of GPT-2 124M). All of them
+# take more than one 10-minute call: about 7 minutes for tests probe qwen05 gsm8k, 8 for countdown gpt2.
+# $ OUT=gpu_results bash bench_gpu.sh tests probe qwen05 gsm8k   # results in $OUT: log.txt and JSON per part
+# $ GRAPHS=--cuda_graphs OUT=gpu_results bash bench_gpu.sh qwen05 gsm8k   # generate with CUDA graphs (engine.py)
+# docs/h200/ holds the first session's output (probe qwen05 gsm8k gpt2, no GRAPHS, without the last gpt2 step)
 set -u
 OUT=${OUT:-gpu_results}
 GRAPHS=${GRAPHS:-}
+GRAPHS_FLAG=$([ -n "$GRAPHS" ] && echo True || echo False)
 mkdir -p "$OUT"
 TMP=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -17,14 +19,10 @@ log() { echo "== $(date +%T) $*" | tee -a "$OUT/log.txt"; }
 step() { local limit=$1; shift; log "$*"; timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -40; \
          log "exit ${PIPESTATUS[0]}"; }
 
-log "machine"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/log.txt"
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/log.txt"
-
-[ "${TESTS:-1}" = 1 ] && step 150 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda.py
+tests() { step 180 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda.py; }
 
 # a decode step at 64 and 256 rows, cache 640 columns: eager, and replayed as a CUDA graph (no host work at all)
-step 60 python3 - "$OUT/decode_graph.json" <<'EOF'
+probe() { step 60 python3 - "$OUT/decode_graph.json" <<'EOF'
 import json, sys, torch
 import bench
 from measure import timed
@@ -60,13 +58,14 @@ for preset in ("gpt2", "qwen2.5-0.5b"):
         print(preset, rows, {k: round(v, 4) for k, v in r.items()})
 json.dump(res, open(sys.argv[1], "w"), indent=1)
 EOF
+}
 
-step 150 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 --new_tokens 512 \
-    --only train_step,iteration --repeat 2 --json "$OUT/qwen05.json" $GRAPHS
+qwen05() { step 150 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
+    --new_tokens 512 --only train_step,iteration --repeat 2 --json "$OUT/qwen05.json" $GRAPHS; }
 
 # config/qwen_gsm8k.py as written but eager (no compile): bf16, activation checkpointing, 32 x 8 rows, completions
 # of 512, on a random Qwen2.5-0.5B: 3 iterations; prompts of 150 random letters (the byte tokenizer: a token each)
-python3 - "$TMP" <<'EOF'
+gsm8k() { python3 - "$TMP" <<'EOF'
 import os, sys
 import bench
 model = bench.build_model(bench.get_args(["--preset", "qwen2.5-0.5b", "--device", "cpu"]))
@@ -75,11 +74,11 @@ bench.task_file(bench.get_args(["--prompt_len", "150"]), sys.argv[1])
 EOF
 step 120 python3 train.py config/qwen_gsm8k.py --init_from="$TMP/qwen05" --tokenizer=bytes --chat_template=none \
     --system_prompt=None --task="$TMP/{split}.jsonl" --max_iters=3 --eval_interval=0 --save_interval=0 \
-    --out_dir="$TMP/run_gsm8k" --compile=False --cuda_graphs=$([ -n "$GRAPHS" ] && echo True || echo False)
-cp "$TMP/run_gsm8k/metrics.jsonl" "$OUT/qwen_gsm8k_metrics.jsonl" 2>/dev/null
+    --out_dir="$TMP/run_gsm8k" --compile=False --cuda_graphs=$GRAPHS_FLAG
+cp "$TMP/run_gsm8k/metrics.jsonl" "$OUT/qwen_gsm8k_metrics.jsonl" 2>/dev/null; }
 
 # config/qwen_countdown.py the same way on a random Qwen2.5-3B (32 x 8 rows, completions of 1024): 2 iterations
-python3 - "$TMP" <<'EOF'
+countdown() { python3 - "$TMP" <<'EOF'
 import os, sys
 import bench
 bench.build_model(bench.get_args(["--preset", "qwen2.5-3b", "--device", "cpu"])).save_pretrained(
@@ -87,11 +86,18 @@ bench.build_model(bench.get_args(["--preset", "qwen2.5-3b", "--device", "cpu"]))
 EOF
 step 200 python3 train.py config/qwen_countdown.py --init_from="$TMP/qwen3b" --tokenizer=bytes --chat_template=none \
     --system_prompt=None --max_iters=2 --eval_interval=0 --save_interval=0 --out_dir="$TMP/run_countdown" \
-    --compile=False --cuda_graphs=$([ -n "$GRAPHS" ] && echo True || echo False)
-cp "$TMP/run_countdown/metrics.jsonl" "$OUT/qwen_countdown_metrics.jsonl" 2>/dev/null
+    --compile=False --cuda_graphs=$GRAPHS_FLAG
+cp "$TMP/run_countdown/metrics.jsonl" "$OUT/qwen_countdown_metrics.jsonl" 2>/dev/null; }
 
-step 60 python3 bench.py --preset gpt2 --device cuda --only train_step --json "$OUT/gpt2.json"
+gpt2() { step 60 python3 bench.py --preset gpt2 --device cuda --only train_step --json "$OUT/gpt2.json"
 step 120 python3 bench.py --preset gpt2 --device cuda --only train_step --compile --json "$OUT/gpt2_compile.json"
 step 120 python3 bench.py --preset gpt2 --device cuda --only train_step --compile --micro_batch_size 64 \
-    --json "$OUT/gpt2_compile_mb64.json"
+    --json "$OUT/gpt2_compile_mb64.json"; }
+
+log "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/log.txt"
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/log.txt"
+for part in ${*:-tests probe qwen05 gsm8k countdown gpt2}; do
+    $part
+done
 log "done"
