@@ -160,7 +160,9 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
         key = (len(tok), width, temperature, top_k, top_p, dtype)
         if key not in cache["graphs"]:
             static = {name: x.clone() for name, x in inputs.items()}  # the inputs every replay reads
-            step = lambda kv=step_kv, key_mask=step_mask, static=static: model.decode(  # bound now, not at call
+            # bound now, not at call; the model through a weak reference: _CACHES holds this, and a strong one
+            # would keep the model (its key) alive for ever
+            step = lambda kv=step_kv, key_mask=step_mask, static=static, model=weakref.ref(model): model().decode(
                 kv=kv, key_mask=key_mask, temperature=temperature, top_k=top_k, top_p=top_p, **static)
             cache["graphs"][key] = static, _capture(step, cache)
         static, run = cache["graphs"][key]

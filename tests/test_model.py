@@ -4,10 +4,12 @@ full-recompute decoder, brute-force log-softmax loops, and chi-square tests of t
 """
 
 import copy
+import gc
 import json
 import math
 import os
 import shutil
+import weakref
 from contextlib import nullcontext
 
 import pytest
@@ -160,6 +162,16 @@ def test_decode_graphs_sample_the_same(tiny):
     model.lm_head.weight.data = model.lm_head.weight.data.clone()  # moved: the graphs would read the old copy
     same(run(True), want)
     assert replays().keys() == graphs.keys() and all(replays()[key] is not graphs[key] for key in graphs)
+
+def test_the_cache_and_its_graphs_let_the_model_go():
+    model = GPT.from_pretrained(FIXTURE).eval()
+    model.decode_graphs = True
+    model.generate(PROMPTS, 4, num_samples=2)
+    assert engine._CACHES[model]["graphs"]
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
 
 def test_ragged_batch_equals_each_prompt_alone(tiny):
     eos = 226  # frequent in this checkpoint's greedy continuations: rows end at different steps
