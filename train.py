@@ -77,10 +77,12 @@ bias = True
 # supervised warm start on the task's answers (a cold start, as in DeepSeek-R1), cached in out_dir/warmstart, for
 # a new run (not a resume): GRPO learns only from groups whose rewards differ, so a policy that never gets a reward
 # learns nothing
-sft_iters = None  # None = 400 from scratch (~30% greedy accuracy on 2-digit addition, far from what RL then
+sft_iters = None  # None = 400 from scratch (10-60% greedy accuracy on 2-digit addition, far from what RL then
 # reaches) and 0 from a pretrained checkpoint, which needs no warm start
 sft_batch_size = 64
 sft_learning_rate = 1e-3
+sft_target_acc = 0.0  # > 0: end the warm start early once greedy accuracy on 256 train prompts reaches it (checked
+# every 50 steps). A tiny model leaves a ~10% plateau at a step that depends on the seed and the CPU's rounding
 # rollout
 prompts_per_step = 16  # prompts per iteration, over all ranks
 num_generations = 8  # G: completions per prompt
@@ -298,7 +300,7 @@ def warm_start():
     """Supervised cold start on the train answers, cached in out_dir/warmstart (reused while its config matches)."""
     keys = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
             'vocab_size', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',
-            'sft_learning_rate', 'seed')
+            'sft_learning_rate', 'sft_target_acc', 'seed')
     spec = {k: config[k] for k in keys}
     path = os.path.join(out_dir, 'warmstart')
     if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
@@ -306,7 +308,16 @@ def warm_start():
         return 'loaded'
     opt = make_optimizer(sft_learning_rate)
     tick = ticker('warm start', sft_iters, 'steps', progress_interval if master else math.inf)
+    probe = train_rows[rank:256:world_size]  # the same prompts at every check
+    probe_seeds = [prompt_seed(seed, -3, j) for j in range(rank, len(probe) * world_size, world_size)]
+    steps = sft_iters
     for i in range(sft_iters):
+        if sft_target_acc and i and i % 50 == 0:
+            with gathered(raw_model):  # FSDP: the whole weights for the sampler
+                hits = greedy_hits(probe, probe_seeds)[0]
+            if accuracy(hits, len(probe)) >= sft_target_acc:
+                steps = i
+                break
         g = torch.Generator().manual_seed(prompt_seed(seed, -2, i))
         picks = torch.randint(len(train_rows), (sft_batch_size,), generator=g).tolist()
         picks = picks[rank::world_size]
@@ -327,22 +338,41 @@ def warm_start():
     if master:
         raw_model.save_pretrained(path, state_dict=weights)
         checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
-    return f'trained {sft_iters} iters'
+    return f'trained {steps} iters'
+
+
+def accuracy(hits, n):
+    """hits / n summed over ranks."""
+    hits, n = all_sum(torch.tensor([hits, n], dtype=torch.float64)).tolist()
+    return hits / n
+
+
+@torch.no_grad()
+def greedy_hits(rows, seeds, tick=lambda done: None):
+    """How many of this rank's rows the greedy completion gets right (the first reward function >= 1), and the
+    texts of the first three. The prompts go through the sampler prompts_per_step at a time, the rollout's own
+    batch, which is what fits in memory."""
+    per, hits, texts = max(1, prompts_per_step // world_size), 0, []
+    for i in range(0, len(rows), per):
+        part = rows[i:i + per]
+        _, tokens, mask, _ = sample(raw_model, part, seeds[i:i + per], cfg, enc, temperature=0.0, num_samples=1)
+        correct, _, done, _ = score(part, tokens, mask, cfg, enc, reward_fns[:1], [1.0], num_samples=1)
+        hits, texts = hits + (correct >= 1).sum().item(), texts + done[:3 - len(texts)]
+        tick(i + len(part))
+    return hits, texts
 
 
 @torch.no_grad()
 def evaluate(it):
-    """Held-out greedy accuracy and unbiased pass@k (k = 1, 2, 4.. up to G), with a few completions. The prompts go
-    through the sampler prompts_per_step at a time, the rollout's own batch, which is what fits in memory."""
+    """Held-out greedy accuracy and unbiased pass@k (k = 1, 2, 4.. up to G), with a few completions."""
     rows = test_rows[rank::world_size]
     seeds = [prompt_seed(seed, -1, j) for j in range(rank, len(test_rows), world_size)]  # the same draws every eval
-    per, G, greedy, c, texts = max(1, prompts_per_step // world_size), num_generations, 0, [], []
-    tick = ticker(f"eval {it}", len(rows), 'prompts', progress_interval if master else math.inf)
+    per, G, c = max(1, prompts_per_step // world_size), num_generations, []
+    every = progress_interval if master else math.inf
+    greedy, texts = greedy_hits(rows, seeds, ticker(f"eval {it}, greedy", len(rows), 'prompts', every))
+    tick = ticker(f"eval {it}, sampled", len(rows), 'prompts', every)
     for i in range(0, len(rows), per):
         part, part_seeds = rows[i:i + per], seeds[i:i + per]
-        _, tokens, mask, _ = sample(raw_model, part, part_seeds, cfg, enc, temperature=0.0, num_samples=1)
-        correct, _, done, _ = score(part, tokens, mask, cfg, enc, reward_fns[:1], [1.0], num_samples=1)
-        greedy, texts = greedy + (correct >= 1).sum().item(), texts + done[:3 - len(texts)]
         _, tokens, mask, _ = sample(raw_model, part, part_seeds, cfg, enc)
         correct, _, _, _ = score(part, tokens, mask, cfg, enc, reward_fns[:1], [1.0])
         c += (correct >= 1).view(-1, G).sum(1).tolist()

@@ -144,7 +144,17 @@ def test_long_phases_report_progress(tmp_path):
     (the default 10 s keeps short phases quiet)."""
     p = run(['config/dr_grpo.py', '--max_iters=1', '--progress_interval=0'], tmp_path / 'out')
     assert 'warm start: 1/3 steps, loss ' in p.stdout  # TINY: 3 warm-start steps, 8 eval prompts, 4 per chunk
-    assert 'eval 0: 4/8 prompts (' in p.stdout and ', eta ' in p.stdout
+    assert 'eval 0, greedy: 4/8 prompts (' in p.stdout and 'eval 0, sampled: 4/8 prompts (' in p.stdout
+    assert ', eta ' in p.stdout
+
+
+def test_warm_start_stops_at_its_target_accuracy(tmp_path):
+    """sft_target_acc: the warm start checks greedy accuracy on train prompts every 50 steps and ends once it is
+    reached (here a low target, reached by step 100 of 120), and runs all its steps when it is not (1.0)."""
+    for target, steps in ((0.05, 100), (1.0, 120)):
+        p = run(['config/dr_grpo.py', '--max_iters=0', '--eval_interval=0', '--sft_iters=120',
+                 f'--sft_target_acc={target}'], tmp_path / f'out{target}')
+        assert f'warm start: trained {steps} iters' in p.stdout
 
 
 def test_nothing_imports_bench():
