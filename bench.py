@@ -493,7 +493,8 @@ def bench_scale(args, model, results):
                                 block_size=args.block_size, prompts_per_step=args.prompts, num_generations=args.G,
                                 max_completion_length=args.new_tokens, beta=0.04, eval_interval=0, save_interval=0,
                                 micro_batch_size=math.gcd(args.micro_batch_size, args.prompts * args.G // ranks),
-                                max_iters=3, task=task_file(args, out_dir), **knobs)
+                                max_iters=3, task=task_file(args, out_dir),
+                                peak_flops=results["peak"]["tflops"] * 1e12, **knobs)
             for key in ("params", "grads", "optimizer", "ref"):
                 r[f"{name}_{key}_mb"] = its[-1][f"mem/{key}_mb"]
             r[f"{name}_iteration_s"] = sum(m["dt"] for m in its[1:]) / len(its[1:])

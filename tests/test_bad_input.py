@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'tiny-gpt2-a')
 TINY = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--sft_iters=2', '--sft_batch_size=8', '--prompts_per_step=4',
         '--num_generations=4', '--micro_batch_size=4', '--eval_size=8', '--eval_interval=0',
-        "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16']
+        "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16', '--peak_flops=1e12']
 
 REWARDS = '''
 import math

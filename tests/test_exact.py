@@ -20,7 +20,8 @@ TORCHRUN = [sys.executable, '-m', 'torch.distributed.run']
 # a small, fast, fully deterministic run: float64, 1-digit addition, every iteration checkpointed
 BASE = ['--dtype=float64', '--eval_interval=0', '--save_interval=1', '--prompts_per_step=4', '--num_generations=4',
         "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16', '--learning_rate=3e-3',
-        '--sft_iters=0', '--lr_schedule=constant', '--warmup_iters=2', '--micro_batch_size=4']
+        '--sft_iters=0', '--lr_schedule=constant', '--warmup_iters=2', '--micro_batch_size=4',
+        '--peak_flops=1e12']  # a given peak: measuring it costs each run ~1 s (test_train.py measures it)
 
 
 def stop(p):

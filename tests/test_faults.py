@@ -22,7 +22,8 @@ from model import GPT
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--sft_iters=5', '--sft_batch_size=8', '--prompts_per_step=4',
         '--num_generations=4', '--micro_batch_size=4', '--eval_interval=0', '--save_interval=1',
-        "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16', '--max_bad_steps=2']
+        "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16', '--max_bad_steps=2',
+        '--peak_flops=1e12']
 
 
 def train_in_process(args):

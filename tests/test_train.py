@@ -20,7 +20,8 @@ RECIPES = [f for f in CONFIGS if f not in REAL]
 # split evenly into 1, 2 or 4 optimizer steps per rollout (the recipes' steps_per_generation), on 1 or 2 ranks
 TINY = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--sft_iters=3', '--sft_batch_size=8', '--prompts_per_step=4',
         '--num_generations=4', '--micro_batch_size=4', '--eval_size=8', '--eval_interval=1', '--save_interval=1',
-        "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16']
+        "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16',
+        '--peak_flops=1e12']  # MFU against a given peak: measuring it costs each run ~2 s (one test measures)
 
 
 def run(args, out_dir, launcher=(sys.executable,), check=True):
@@ -54,10 +55,12 @@ def test_recipe_runs_two_iterations(recipe, tmp_path):
 def test_torchrun_two_processes_writes_a_loadable_checkpoint(tmp_path):
     out = tmp_path / 'out'
     torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
-    run(['config/dr_grpo.py', '--max_iters=2'], out, launcher=torchrun)
+    run(['config/dr_grpo.py', '--max_iters=2', '--peak_flops=0'], out, launcher=torchrun)  # each rank measures it
     model = GPT.from_pretrained(os.path.join(out, json.load(open(out / 'latest'))))
     assert model.config.n_layer == 1
-    assert len([m for m in metrics(out) if 'reward' in m]) == 2  # only the master process logs
+    rows = [m for m in metrics(out) if 'reward' in m]
+    assert len(rows) == 2  # only the master process logs
+    assert all(0 < m['mfu'] < 1 for m in rows)  # against the peak measured at start
 
 
 def test_padded_vocab(tmp_path):
