@@ -46,6 +46,14 @@ def gather(t):
     return torch.cat(parts)
 
 
+def all_sum(t):
+    """Sum a tensor over ranks, in a copy (identity on one process)."""
+    t = t.clone()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 @functools.lru_cache(maxsize=2)
 def _epoch_order(n, seed, epoch):
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()

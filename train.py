@@ -34,14 +34,14 @@ import lora
 import parallelism
 from configurator import check_config, check_device, configure
 from data import default_reward, load_dataset
+from evaluate import evaluate, greedy_hits
 from loss import entropy_threshold, grpo_loss
 from measure import hms, lap, matmul_peak, memory_mb, ticker
 from model import GPT, GPTConfig
 from parallelism import full, full_state_dict, gathered
 from tokenizer import check_template, get_tokenizer, stop_ids
-from reward import get_reward_fns, pass_at_k
-from rollout import (encode_prompt, gather, is_flat, logprobs, micro_batches, pack, prompt_seed, rollout,
-                     sample, score)
+from reward import get_reward_fns
+from rollout import all_sum, encode_prompt, gather, is_flat, logprobs, micro_batches, pack, prompt_seed, rollout
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
@@ -288,14 +288,6 @@ def make_optimizer(lr):
     return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), fused=device_type == 'cuda')
 
 
-def all_sum(x):
-    """Sum a tensor over ranks (in place on a copy); identity on one process."""
-    x = x.clone()
-    if distributed:
-        dist.all_reduce(x)
-    return x
-
-
 def warm_start():
     """Supervised cold start on the train answers, cached in out_dir/warmstart (reused while its config matches)."""
     keys = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
@@ -314,8 +306,9 @@ def warm_start():
     for i in range(sft_iters):
         if sft_target_acc and i and i % 50 == 0:
             with gathered(raw_model):  # FSDP: the whole weights for the sampler
-                hits = greedy_hits(probe, probe_seeds)[0]
-            if accuracy(hits, len(probe)) >= sft_target_acc:
+                hits = greedy_hits(raw_model, probe, probe_seeds, cfg, enc, reward_fns[0])[0]
+            hits, n = all_sum(torch.tensor([hits, len(probe)], dtype=torch.float64)).tolist()  # over all ranks
+            if hits / n >= sft_target_acc:
                 steps = i
                 break
         g = torch.Generator().manual_seed(prompt_seed(seed, -2, i))
@@ -339,50 +332,6 @@ def warm_start():
         raw_model.save_pretrained(path, state_dict=weights)
         checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
     return f'trained {steps} iters'
-
-
-def accuracy(hits, n):
-    """hits / n summed over ranks."""
-    hits, n = all_sum(torch.tensor([hits, n], dtype=torch.float64)).tolist()
-    return hits / n
-
-
-@torch.no_grad()
-def greedy_hits(rows, seeds, tick=lambda done: None):
-    """How many of this rank's rows the greedy completion gets right (the first reward function >= 1), and the
-    texts of the first three. The prompts go through the sampler prompts_per_step at a time, the rollout's own
-    batch, which is what fits in memory."""
-    per, hits, texts = max(1, prompts_per_step // world_size), 0, []
-    for i in range(0, len(rows), per):
-        part = rows[i:i + per]
-        _, tokens, mask, _ = sample(raw_model, part, seeds[i:i + per], cfg, enc, temperature=0.0, num_samples=1)
-        correct, _, done, _ = score(part, tokens, mask, cfg, enc, reward_fns[:1], [1.0], num_samples=1)
-        hits, texts = hits + (correct >= 1).sum().item(), texts + done[:3 - len(texts)]
-        tick(i + len(part))
-    return hits, texts
-
-
-@torch.no_grad()
-def evaluate(it):
-    """Held-out greedy accuracy and unbiased pass@k (k = 1, 2, 4.. up to G), with a few completions."""
-    rows = test_rows[rank::world_size]
-    seeds = [prompt_seed(seed, -1, j) for j in range(rank, len(test_rows), world_size)]  # the same draws every eval
-    per, G, c = max(1, prompts_per_step // world_size), num_generations, []
-    every = progress_interval if master else math.inf
-    greedy, texts = greedy_hits(rows, seeds, ticker(f"eval {it}, greedy", len(rows), 'prompts', every))
-    tick = ticker(f"eval {it}, sampled", len(rows), 'prompts', every)
-    for i in range(0, len(rows), per):
-        part, part_seeds = rows[i:i + per], seeds[i:i + per]
-        _, tokens, mask, _ = sample(raw_model, part, part_seeds, cfg, enc)
-        correct, _, _, _ = score(part, tokens, mask, cfg, enc, reward_fns[:1], [1.0])
-        c += (correct >= 1).view(-1, G).sum(1).tolist()
-        tick(i + len(part))
-    ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= G] + ([G] if G & (G - 1) else [])
-    sums = all_sum(torch.tensor([greedy, len(rows)] + [sum(pass_at_k(G, ci, k) for ci in c) for k in ks],
-                                dtype=torch.float64)).tolist()
-    out = {'eval/greedy_acc': sums[0] / sums[1]}
-    out.update({f'eval/pass@{k}': v / sums[1] for k, v in zip(ks, sums[2:])})
-    return out, list(zip([r['prompt'] for r in rows], texts))
 
 
 def get_lr(step, total):
@@ -545,7 +494,8 @@ for it in range(iter_start, max_iters + 1):
     evaluating = eval_interval and (it % eval_interval == 0 or it == max_iters)
     if evaluating:
         with gathered(raw_model):  # FSDP: the whole weights for the sampler, gathered once
-            metrics, samples = evaluate(it)
+            metrics, samples = evaluate(raw_model, test_rows, it, rank, cfg, enc, reward_fns[0],
+                                        progress_interval if master else math.inf)
         log(dict(metrics, iter=it), f"eval {it}: greedy acc {metrics['eval/greedy_acc']:.3f} | " +
             " | ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k))
         for prompt, completion in samples if master else ():

@@ -1,0 +1,49 @@
+"""
+Held-out evaluation: the policy's greedy accuracy and unbiased pass@k on the test prompts, each rank sampling its
+share of them and the counts summed over ranks, so the numbers are the same on 1 GPU and on 8. train.py calls
+evaluate every eval_interval iterations; its warm start asks greedy_hits when it may stop.
+"""
+import torch
+
+from measure import ticker
+from reward import pass_at_k
+from rollout import all_sum, prompt_seed, sample, score
+
+
+@torch.no_grad()
+def greedy_hits(model, rows, seeds, cfg, enc, reward_fn, tick=lambda done: None):
+    """How many of rows the greedy completion gets right (reward_fn >= 1), and the texts of the first three. The
+    prompts go through the sampler prompts_per_step / world_size at a time, the rollout's own batch, which is what
+    fits in memory."""
+    per, hits, texts = max(1, cfg.prompts_per_step // cfg.world_size), 0, []
+    for i in range(0, len(rows), per):
+        part = rows[i:i + per]
+        _, tokens, mask, _ = sample(model, part, seeds[i:i + per], cfg, enc, temperature=0.0, num_samples=1)
+        correct, _, done, _ = score(part, tokens, mask, cfg, enc, [reward_fn], [1.0], num_samples=1)
+        hits, texts = hits + (correct >= 1).sum().item(), texts + done[:3 - len(texts)]
+        tick(i + len(part))
+    return hits, texts
+
+
+@torch.no_grad()
+def evaluate(model, test_rows, it, rank, cfg, enc, reward_fn, every):
+    """Held-out greedy accuracy and unbiased pass@k (k = 1, 2, 4.. up to G) over all ranks, a progress line every
+    `every` seconds, and this rank's first prompts with their greedy completions."""
+    rows = test_rows[rank::cfg.world_size]
+    seeds = [prompt_seed(cfg.seed, -1, j) for j in range(rank, len(test_rows), cfg.world_size)]  # the same every eval
+    per, G, c = max(1, cfg.prompts_per_step // cfg.world_size), cfg.num_generations, []
+    greedy, texts = greedy_hits(model, rows, seeds, cfg, enc, reward_fn,
+                                ticker(f"eval {it}, greedy", len(rows), 'prompts', every))
+    tick = ticker(f"eval {it}, sampled", len(rows), 'prompts', every)
+    for i in range(0, len(rows), per):
+        part = rows[i:i + per]
+        _, tokens, mask, _ = sample(model, part, seeds[i:i + per], cfg, enc)
+        correct, _, _, _ = score(part, tokens, mask, cfg, enc, [reward_fn], [1.0])
+        c += (correct >= 1).view(-1, G).sum(1).tolist()  # correct samples per prompt
+        tick(i + len(part))
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= G] + ([G] if G & (G - 1) else [])
+    sums = all_sum(torch.tensor([greedy, len(rows)] + [sum(pass_at_k(G, ci, k) for ci in c) for k in ks],
+                                dtype=torch.float64)).tolist()
+    out = {'eval/greedy_acc': sums[0] / sums[1]}
+    out.update({f'eval/pass@{k}': v / sums[1] for k, v in zip(ks, sums[2:])})
+    return out, list(zip([r['prompt'] for r in rows], texts))
