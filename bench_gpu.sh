@@ -21,10 +21,11 @@ step() { local limit=$1; shift; log "$*"; timeout "$limit" "$@" 2>&1 | tee -a "$
 
 tests() { step 180 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda.py; }
 
-# a decode step at 64 and 256 rows, cache 640 columns: eager, and replayed as a CUDA graph (no host work at all)
+# a decode step at 64 and 256 rows, cache 640 columns: eager, and replayed as a CUDA graph (no host work at all),
+# casting the float32 weights at every step or reading bf16 copies of them (engine.half_weights)
 probe() { step 60 python3 - "$OUT/decode_graph.json" <<'EOF'
 import json, sys, torch
-import bench
+import bench, engine
 from measure import timed
 res = {}
 for preset in ("gpt2", "qwen2.5-0.5b"):
@@ -50,11 +51,22 @@ for preset in ("gpt2", "qwen2.5-0.5b"):
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, cache_enabled=False), torch.cuda.graph(g):
             model.decode(tok, pos, kv, col, mask, u, 1.0, None, None)
         graph = timed(g.replay, "cuda", 20)
+        # the same step reading bf16 copies of the matmuls' weights (engine.half_weights), as generate's graphs do
+        half = engine.half_weights(model, dict(half={}, graphs={}), torch.bfloat16)
+        inputs = dict(tok=tok, pos=pos, kv=kv, col=col, key_mask=mask, u=u, temperature=1.0, top_k=None, top_p=None)
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
+            engine._step(model, half, **inputs)  # warm-up
+        g2 = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, cache_enabled=False), torch.cuda.graph(g2):
+            engine._step(model, half, **inputs)
+        graph_half = timed(g2.replay, "cuda", 20)
         weights = sum(p.numel() for p in model.parameters()) * 2  # bf16 weights read once per step
         cache = 2 * cfg.n_layer * rows * cfg.n_kv_head * S * cfg.head_dim * 2
         res[f"{preset}_{rows}"] = r = dict(eager_ms=eager * 1e3, graph_ms=graph * 1e3, host_share=1 - graph / eager,
                                            read_gb=(weights + cache) / 1e9,
-                                           graph_tb_s=(weights + cache) / graph / 1e12)
+                                           graph_tb_s=(weights + cache) / graph / 1e12,
+                                           graph_half_ms=graph_half * 1e3,
+                                           graph_half_tb_s=(weights + cache) / graph_half / 1e12)
         print(preset, rows, {k: round(v, 4) for k, v in r.items()})
 json.dump(res, open(sys.argv[1], "w"), indent=1)
 EOF

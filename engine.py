@@ -8,7 +8,9 @@ The cache is static: allocated once for the largest batch and sequence seen, kep
 same addresses from call to call, which is what a CUDA graph needs: with model.decode_graphs each step's kernels
 are captured once per (rows, attended width) and replayed, with no Python, dispatch or launch cost. Measured on an
 H200 (docs/h200/decode_graph.json): a Qwen2.5-0.5B decode step at 64 rows takes 22.1 ms eagerly, of which 83% is
-host overhead, and 3.8 ms replayed. On the CPU the same code runs with the step called where a graph would replay.
+host overhead, and 3.8 ms replayed. Under autocast the replayed steps read half-precision copies of the weights
+(half_weights), since a graph cannot keep autocast's cache of casts. On the CPU the same code runs with the step
+called where a graph would replay.
 A graph replays the kernels the step launched at capture: switches read in Python (LoRA's merged weights or active
 adapters) must be set the same way at every call, as train.py's rollouts do.
 """
@@ -58,12 +60,53 @@ def static_cache(model, N, S, dtype, device):
         c = _CACHES[model] = dict(
             kv=[[torch.zeros(rows, cfg.n_kv_head, cols, cfg.head_dim, dtype=dtype, device=device) for _ in "kv"]
                 for _ in range(cfg.n_layer)], mask=torch.zeros(rows, cols, dtype=torch.bool, device=device),
-            graphs={}, pool=torch.cuda.graph_pool_handle() if device.type == "cuda" else None, weights=None)
+            graphs={}, pool=torch.cuda.graph_pool_handle() if device.type == "cuda" else None, weights=None,
+            half={})
     if model.decode_graphs:  # a graph reads the weights where they were at capture
         weights = [p.data_ptr() for p in model.parameters()]
         if weights != c["weights"]:
-            c["graphs"], c["weights"] = {}, weights
+            c["graphs"], c["weights"], c["half"] = {}, weights, {}
     return c
+
+
+def half_weights(model, cache, dtype):
+    """Under autocast, for the graphs: copies in autocast's dtype of the weights and biases of every layer that
+    multiplies (not the embeddings, not the norms; the output layer by its own name even when tied to the
+    embedding), refreshed from the parameters at each call (the optimizer has changed them) into the same tensors,
+    whose addresses the graphs hold. Eagerly, autocast casts each weight once per autocast block and keeps the cast;
+    a graph cannot keep that cache, so without these it would cast every weight at every step: read 4 bytes and
+    write 2 per parameter before the matmul reads its 2. The copies hold exactly autocast's casts."""
+    half = cache["half"]
+    if not half or next(iter(half.values())).dtype != dtype:
+        half.clear()
+        for name, m in model.named_modules():
+            own = list(m.named_parameters(recurse=False))
+            if not isinstance(m, torch.nn.Embedding) and any(p.dim() == 2 for _, p in own):
+                half.update({".".join(filter(None, ("model", name, n))): p.to(dtype) for n, p in own})
+        cache["graphs"] = {}  # captured reading other copies
+        return half
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, w in half.items():
+        w.copy_(params[name[len("model."):]])
+    return half
+
+
+class _Step(torch.nn.Module):
+    """functional_call runs a module's forward: this one's is the model's decode step."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        return self.model.decode(**inputs)
+
+
+def _step(model, half, **inputs):
+    """model.decode(**inputs), reading the copies in half instead of the parameters of those names."""
+    if not half:
+        return model.decode(**inputs)
+    return torch.func.functional_call(_Step(model), half, (), inputs, tie_weights=False)
 
 
 def _capture(fn, cache):
@@ -125,6 +168,8 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     cols = torch.arange(P, S, device=dev)  # the cache column of each step's input token, the same for every row
     check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
     graphs = model.decode_graphs
+    autocast = torch.is_autocast_enabled(dev.type) and dtype != model.lm_head.weight.dtype
+    half = half_weights(model, cache, dtype) if graphs and autocast else {}
     # a step attends over the cache columns written so far, rounded up to a multiple of 64 (a few shapes for a
     # compiled step or a graph): reading the keys and values is most of a decode step's time outside the matmuls
     width = 0
@@ -162,8 +207,8 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
             static = {name: x.clone() for name, x in inputs.items()}  # the inputs every replay reads
             # bound now, not at call; the model through a weak reference: _CACHES holds this, and a strong one
             # would keep the model (its key) alive for ever
-            step = lambda kv=step_kv, key_mask=step_mask, static=static, model=weakref.ref(model): model().decode(
-                kv=kv, key_mask=key_mask, temperature=temperature, top_k=top_k, top_p=top_p, **static)
+            step = lambda kv=step_kv, key_mask=step_mask, static=static, model=weakref.ref(model): _step(
+                model(), half, kv=kv, key_mask=key_mask, temperature=temperature, top_k=top_k, top_p=top_p, **static)
             cache["graphs"][key] = static, _capture(step, cache)
         static, run = cache["graphs"][key]
         for name, x in inputs.items():

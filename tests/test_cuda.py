@@ -79,10 +79,12 @@ def test_decode_step_replays_as_a_cuda_graph():
 @pytest.mark.parametrize("autocast", [False, True])
 def test_generate_with_cuda_graphs_samples_the_same(autocast):
     """engine.py's graphs (model.decode_graphs) against the eager steps, in float32 and under bf16 autocast, over
-    two calls (the second replays the first's graphs) and after an in-place weight change (the graphs read it)."""
+    two calls (the second replays the first's graphs) and after an in-place weight change (the graphs read it).
+    Under autocast no eos: eagerly finished rows are dropped, and a bf16 matmul over fewer rows may round
+    differently; with all rows the replayed step (reading engine.half_weights' copies) is the eager one."""
     model, _ = fixture("tiny-qwen2-a")
     run = lambda graphs: (setattr(model, "decode_graphs", graphs), model.generate(
-        [[5, 17, 200], [1, 2, 3, 4, 5, 6, 7], [42]], 70, num_samples=4, eos_id=226,
+        [[5, 17, 200], [1, 2, 3, 4, 5, 6, 7], [42]], 70, num_samples=4, eos_id=None if autocast else 226,
         generator=torch.Generator("cuda").manual_seed(0)))[1]
     for change in (False, False, True):
         if change:

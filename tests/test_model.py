@@ -163,6 +163,33 @@ def test_decode_graphs_sample_the_same(tiny):
     same(run(True), want)
     assert replays().keys() == graphs.keys() and all(replays()[key] is not graphs[key] for key in graphs)
 
+def test_decode_graphs_under_autocast_read_half_copies_of_the_weights(tiny):
+    """Under autocast a replayed step reads bf16 copies of the matmuls' weights (engine.half_weights), refreshed at
+    every call, instead of casting every weight at every step: the same samples as the eager autocast steps, bit
+    for bit, also after the weights change in place; and the captured step really reads the copies."""
+    model = GPT.from_pretrained(FIXTURE).eval()
+
+    def run(graphs):  # no eos: no row finishes early, so eager and graphs run the same shapes
+        model.decode_graphs = graphs
+        with torch.autocast("cpu", torch.bfloat16):
+            return model.generate(PROMPTS, 20, num_samples=2, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        want, got = run(False), run(True)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight.mul_(1.5)  # in place, as the optimizer
+    cache = engine._CACHES[model]
+    half = cache["half"]
+    assert half["model.lm_head.weight"].dtype == torch.bfloat16 and "model.transformer.wte.weight" not in half
+    assert "model.transformer.ln_f.weight" not in half and "model.transformer.h.0.attn.c_attn.bias" in half
+    _, replay = next(iter(cache["graphs"].values()))
+    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):  # as captured (on CPU, replay calls the step)
+        lp = replay()[1].clone()
+        half["model.lm_head.weight"].zero_()  # uniform logits: log-prob -log(vocab) whatever the draw
+        assert not torch.equal(replay()[1], lp)
+        torch.testing.assert_close(replay()[1], torch.full_like(lp, -math.log(model.config.vocab_size)))
+
+
 def test_the_cache_and_its_graphs_let_the_model_go():
     model = GPT.from_pretrained(FIXTURE).eval()
     model.decode_graphs = True
