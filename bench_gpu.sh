@@ -3,8 +3,9 @@
 # that): tests (tests/test_cuda.py), probe (a decode step eager vs replayed as a CUDA graph), qwen05 (bench.py at
 # the Qwen2.5-0.5B shape: training step and whole iterations), gsm8k and countdown (the Qwen recipes' iterations on
 # random Qwen2.5-0.5B and 3B weights: speed does not depend on them; a random model never samples eos, so every
-# completion runs to max_completion_length, the slowest case), gpt2 (training steps of GPT-2 124M). All of them
-# take more than one 10-minute call: about 7 minutes for tests probe qwen05 gsm8k, 8 for countdown gpt2.
+# completion runs to max_completion_length, the slowest case), gpt2 (training steps of GPT-2 124M), qwen05c (the
+# Qwen training step compiled, and at micro-batches of 32; not in the default list). All of them take more than one
+# 10-minute call: about 7 minutes for tests probe qwen05 gsm8k, 8 for countdown gpt2, qwen05c untimed (a guess: 3-5).
 # $ OUT=gpu_results bash bench_gpu.sh tests probe qwen05 gsm8k   # results in $OUT: log.txt and JSON per part
 # $ GRAPHS=--cuda_graphs OUT=gpu_results bash bench_gpu.sh qwen05 gsm8k   # generate with CUDA graphs (engine.py)
 # docs/h200/ holds the first session's output (probe qwen05 gsm8k gpt2, no GRAPHS, without the last gpt2 step)
@@ -74,6 +75,12 @@ EOF
 
 qwen05() { step 150 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
     --new_tokens 512 --only train_step,iteration --repeat 2 --json "$OUT/qwen05.json" $GRAPHS; }
+
+# the training step alone at the same shape, compiled, and with micro-batches of 32 (is MFU host- or size-bound?)
+qwen05c() { step 200 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
+    --new_tokens 512 --only train_step --repeat 2 --compile --json "$OUT/qwen05_compile.json"
+step 120 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
+    --new_tokens 512 --only train_step --repeat 2 --micro_batch_size 32 --json "$OUT/qwen05_mb32.json"; }
 
 # config/qwen_gsm8k.py as written but eager (no compile): bf16, activation checkpointing, 32 x 8 rows, completions
 # of 512, on a random Qwen2.5-0.5B: 3 iterations; prompts of 150 random letters (the byte tokenizer: a token each)

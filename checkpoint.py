@@ -7,7 +7,8 @@ Checkpoints that survive SIGKILL at any moment.
                               per rank, its shard), optimizer.json, trainer.json (iteration, step, config)
                               ref/ (the frozen reference model, only when beta > 0 without LoRA)
                               adapter/ (LoRA: PEFT's adapter_config.json + adapter_model.safetensors; the model
-                              files beside it are then the frozen base), merged/ (LoRA's merged model, if asked)
+                              files beside it are then the frozen base, hard links to the run's first checkpoint's),
+                              merged/ (LoRA's merged model, if asked)
                               tokenizer.json, generation_config.json... (a checkpoint's tokenizer's, when used)
 
 A checkpoint is written into a temporary directory, every file fsync'd, the directory renamed into place, and only
@@ -66,24 +67,46 @@ def _fsynced(file):
         os.fsync(f.fileno())
 
 
-def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None, save_merged=False):
+def _link_base(src, dst):
+    """Hard-link the model files of checkpoint src (config.json, the weights and their index) into dst: a LoRA run's
+    base never changes, so each checkpoint shares the first one's files instead of writing them again (28 GB for a
+    7B in float32). Copies them where the filesystem cannot link."""
+    os.makedirs(dst, exist_ok=True)
+    for file in os.listdir(src):
+        if file == 'config.json' or file.startswith('model') and '.safetensors' in file:
+            try:
+                os.link(os.path.join(src, file), os.path.join(dst, file))
+            except OSError:
+                shutil.copyfile(os.path.join(src, file), os.path.join(dst, file))
+                _fsynced(os.path.join(dst, file))
+    fsync_dir(dst)
+
+
+def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None, save_merged=False,
+         base_from=None):
     """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then. With
     tokenizer_dir, its tokenizer files are copied in too, so the checkpoint is a whole Hugging Face model directory.
     Every rank calls it: under FSDP the weights are gathered to rank 0 a tensor at a time and each rank writes its own
     shard of the optimizer state (optimizer.rank{r}.safetensors; a shared filesystem across nodes); under DDP the
     ranks hold the same state and rank 0 writes it all (optimizer.safetensors). With LoRA and save_merged, merged/
-    holds the base with the adapters merged in, a whole Hugging Face model."""
+    holds the base with the adapters merged in, a whole Hugging Face model. base_from (LoRA only): a checkpoint of
+    this run, whose frozen base is this one's: its model files are linked, not gathered and written again."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards = parallelism.sharded(model)
     ref_model = None if ref_model is model else ref_model  # LoRA's reference is the base model: nothing to save
-    weights = parallelism.full_state_dict(model, keep=rank == 0)  # without LoRA's adapters: the base
+    base_from = base_from if lora.has_adapters(model) else None
+    # without LoRA's adapters: the base (every rank takes part under FSDP, so the choice is the same on all)
+    weights = parallelism.full_state_dict(model, keep=rank == 0) if save_merged or not base_from else None
     ref_weights = parallelism.full_state_dict(ref_model, keep=rank == 0) if ref_model is not None else None
     merged = lora.merged_state_dict(model, weights) if save_merged and lora.has_adapters(model) else None
     name = f"ckpt-{it:06d}"
     final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed mid-write
-        model.save_pretrained(tmp, state_dict=weights)
+        if base_from:
+            _link_base(base_from, tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=weights)
         for file in TOKENIZER_FILES if tokenizer_dir else ():
             if os.path.isfile(os.path.join(tokenizer_dir, file)):
                 shutil.copyfile(os.path.join(tokenizer_dir, file), os.path.join(tmp, file))
