@@ -11,8 +11,8 @@ H200 (docs/h200/decode_graph.json): a Qwen2.5-0.5B decode step at 64 rows takes 
 host overhead, and 3.8 ms replayed. Under autocast the replayed steps read half-precision copies of the weights
 (half_weights), since a graph cannot keep autocast's cache of casts. On the CPU the same code runs with the step
 called where a graph would replay.
-A graph replays the kernels the step launched at capture: switches read in Python (LoRA's merged weights or active
-adapters) must be set the same way at every call, as train.py's rollouts do.
+A graph replays the kernels the step launched at capture, not the Python that chose them: so the switches a step
+reads in Python, LoRA's `active` adapters (off when merged or for the reference), are part of a graph's key.
 """
 import weakref
 
@@ -170,6 +170,7 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     graphs = model.decode_graphs
     autocast = torch.is_autocast_enabled(dev.type) and dtype != model.lm_head.weight.dtype
     half = half_weights(model, cache, dtype) if graphs and autocast else {}
+    switches = tuple(m.active for m in model.modules() if hasattr(m, "active"))  # LoRA's adapters on or off
     # a step attends over the cache columns written so far, rounded up to a multiple of 64 (a few shapes for a
     # compiled step or a graph): reading the keys and values is most of a decode step's time outside the matmuls
     width = 0
@@ -202,7 +203,7 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
             tok, lp = model.decode(kv=step_kv, key_mask=step_mask, temperature=temperature, top_k=top_k, top_p=top_p,
                                    **inputs)
             continue
-        key = (len(tok), width, temperature, top_k, top_p, dtype)
+        key = (len(tok), width, temperature, top_k, top_p, dtype, switches)
         if key not in cache["graphs"]:
             static = {name: x.clone() for name, x in inputs.items()}  # the inputs every replay reads
             # bound now, not at call; the model through a weak reference: _CACHES holds this, and a strong one

@@ -5,12 +5,14 @@ fixtures' own Hugging Face tensors (read from disk, Conv1D transposes included) 
 """
 import json
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import checkpoint
+import engine
 import lora
 from model import GPT
 
@@ -329,6 +331,23 @@ def test_save_pretrained_writes_the_base_model_only(tmp_path):
     again = GPT.from_pretrained(tmp_path / "adapted", dtype=torch.float64)
     base = load(name).state_dict()
     assert all(torch.equal(v, base[k]) for k, v in again.state_dict().items())
+
+
+def test_decode_graphs_are_kept_per_adapter_state():
+    """A replayed CUDA graph runs the kernels of its capture, not the Python that chose them: adapters on and off
+    (the reference, or merged into the weights, which the graph reads in place) are different steps, so each gets
+    its own graphs. On CPU the replay runs the Python, so the graphs' keys are what shows it."""
+    model = adapted("tiny-llama-a")
+    model.decode_graphs = True
+    prompts, out = [[5, 17, 200], [42]], {}
+    modes = dict(on=nullcontext, off=lora.adapters_off, merged=lora.merged, on_again=nullcontext)
+    for mode, ctx in modes.items():
+        with ctx(model) if ctx is not nullcontext else ctx():
+            out[mode] = model.generate(prompts, 10, num_samples=2, generator=torch.Generator().manual_seed(0))[2]
+    n = len(lora.lora_modules(model))
+    assert {key[-1] for key in engine._CACHES[model]["graphs"]} == {(True,) * n, (False,) * n}
+    assert torch.equal(out["on"], out["on_again"]) and not torch.allclose(out["on"], out["off"])
+    torch.testing.assert_close(out["merged"], out["on"])
 
 
 def test_checkpoints_link_the_frozen_base(tmp_path):
