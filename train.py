@@ -411,10 +411,12 @@ def save(it):
         if not torch.equal(sums.min(0).values, sums.max(0).values):
             raise RuntimeError(f"iteration {it}: the ranks' parameters differ (checksums {sums.sum(1).tolist()}); "
                                f"not saving. This is a bug or a hardware fault; resume from the last checkpoint")
-    latest = checkpoint.read_json(os.path.join(out_dir, 'latest'))  # LoRA: this run's last, its base is ours
+    # LoRA: the base is frozen, so the run's last checkpoint (saved or resumed from) holds ours: link its files
+    base_from = os.path.join(out_dir, checkpoint.read_json(os.path.join(out_dir, 'latest'))) \
+        if lora_rank and saved_it is not None else None
     checkpoint.save(out_dir, it, raw_model, optimizer, ref_model,
                     dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size), tokenizer_dir,
-                    lora_save_merged, os.path.join(out_dir, latest) if saved_it is not None and latest else None)
+                    lora_save_merged, base_from)
 
 
 def stop_if_signalled(it):
