@@ -1,16 +1,17 @@
 """
-The sampling engine behind GPT.generate: G completions per prompt from a KV cache that the model keeps, each
-prompt prefilled once straight into the cache rows of its samples (as nanochat's engine does), then every row
-decoded together one token a step with GPT.decode.
+The sampling engine behind GPT.generate: G completions per prompt from a static KV cache, each prompt prefilled
+once straight into the cache rows of its samples (as nanochat's engine does), then every row decoded together one
+token a step with GPT.decode.
 
-The cache is static: allocated once for the largest batch and sequence seen, kept across calls, and never moved
-(finished rows are dropped by copying the live ones into its first rows). So a decode step reads and writes the
-same addresses from call to call, which is what a CUDA graph needs: with model.decode_graphs each step's kernels
-are captured once per (rows, attended width) and replayed, with no Python, dispatch or launch cost. Measured on an
-H200 (docs/h200/decode_graph.json): a Qwen2.5-0.5B decode step at 64 rows takes 22.1 ms eagerly, of which 83% is
-host overhead, and 3.8 ms replayed. Under autocast the replayed steps read half-precision copies of the weights
-(half_weights), since a graph cannot keep autocast's cache of casts. On the CPU the same code runs with the step
-called where a graph would replay.
+The cache is allocated once for a call's batch and sequence and never moved (finished rows are dropped by copying
+the live ones into its first rows). With model.decode_graphs it is also kept across calls (grown to the largest
+batch and sequence seen), so a decode step reads and writes the same addresses from call to call, which is what a
+CUDA graph needs: each step's kernels are captured once per (rows, attended width) and replayed, with no Python,
+dispatch or launch cost. Without graphs it is freed when the call returns, leaving its memory to the update (10 GB
+for Qwen2.5-3B on Countdown). Measured on an H200 (docs/h200/decode_graph.json): a Qwen2.5-0.5B decode step at 64
+rows takes 22.1 ms eagerly, of which 83% is host overhead, and 3.8 ms replayed. Under autocast the replayed steps
+read half-precision copies of the weights (half_weights), since a graph cannot keep autocast's cache of casts. On
+the CPU the same code runs with the step called where a graph would replay.
 A graph replays the kernels the step launched at capture, not the Python that chose them: so the switches a step
 reads in Python, LoRA's `active` adapters (off when merged or for the reference), are part of a graph's key.
 """
@@ -45,12 +46,14 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
         return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator)
     finally:
         model.train(was_training)
+        if not model.decode_graphs:  # only the graphs need the cache where it was
+            _CACHES.pop(model, None)
 
 
 def static_cache(model, N, S, dtype, device):
     """The model's KV cache with at least N rows and S columns: per layer keys and values (rows, nkv, cols, hs),
-    and a key mask (rows, cols). Kept for the next call; grown (to the largest rows and columns asked so far, its
-    graphs dropped) only when a call needs more. Zeros, not empty: masked columns get attention weight 0, and 0 * NaN
+    and a key mask (rows, cols). With graphs, kept for the next call and grown (to the largest rows and columns
+    asked so far, its graphs dropped) only when a call needs more. Zeros, not empty: masked columns get attention weight 0, and 0 * NaN
     garbage would still be NaN; after that only the model's own keys and values are ever written."""
     cfg, c = model.config, _CACHES.get(model)
     if c is None or c["kv"][0][0].shape[0] < N or c["kv"][0][0].shape[2] < S or c["kv"][0][0].dtype != dtype or \

@@ -82,16 +82,18 @@ def test_generate_with_cuda_graphs_samples_the_same(autocast):
     two calls (the second replays the first's graphs) and after an in-place weight change (the graphs read it).
     Under autocast no eos: eagerly finished rows are dropped, and a bf16 matmul over fewer rows may round
     differently; with all rows the replayed step (reading engine.half_weights' copies) is the eager one."""
-    model, _ = fixture("tiny-qwen2-a")
-    run = lambda graphs: (setattr(model, "decode_graphs", graphs), model.generate(
+    (model, _), (eager, _) = fixture("tiny-qwen2-a"), fixture("tiny-qwen2-a")  # eager frees its cache: apart
+    model.decode_graphs = True
+    run = lambda model: model.generate(
         [[5, 17, 200], [1, 2, 3, 4, 5, 6, 7], [42]], 70, num_samples=4, eos_id=None if autocast else 226,
-        generator=torch.Generator("cuda").manual_seed(0)))[1]
+        generator=torch.Generator("cuda").manual_seed(0))
     for change in (False, False, True):
         if change:
             with torch.no_grad():
                 model.lm_head.weight.mul_(1.1)
+                eager.lm_head.weight.mul_(1.1)
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-            want, got = run(False), run(True)
+            want, got = run(eager), run(model)
         assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
         torch.testing.assert_close(want[2], got[2], atol=1e-5, rtol=0)
 

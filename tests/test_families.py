@@ -138,6 +138,7 @@ def test_generate_under_bf16_autocast(fixture):
 def test_cache_holds_only_the_kv_heads():
     """Grouped-query attention's memory saving: the cache is (rows, kv heads, S, head_dim), not query heads."""
     model = GPT.from_pretrained(os.path.join(FIXTURES, "tiny-qwen3-a"), dtype=torch.float32).eval()
+    model.decode_graphs = True  # the cache is kept after the call (on the CPU no graph is captured)
     model.generate([[1, 2, 3]], 4, num_samples=2)
     assert engine._CACHES[model]["kv"][0][0].shape == (2, 3, 3 + 4 - 1, 24)  # 6 query heads, 3 kv heads, hs 24
 

@@ -120,18 +120,22 @@ def test_decode_step_compiles_to_one_graph(fixture):
         assert torch.equal(a, b)
 
 def test_static_cache_is_kept_and_grown():
-    """The cache outlives a call (a graph needs its addresses fixed): a smaller call reuses it, a larger one grows
-    it, and what a call samples does not depend on what earlier calls left in it."""
+    """With graphs the cache outlives a call (a graph needs its addresses fixed): a smaller call reuses it, a larger
+    one grows it, and what a call samples does not depend on what earlier calls left in it. Without graphs a call
+    frees it (its memory goes to the update), and samples the same."""
     gen = lambda: torch.Generator().manual_seed(0)
     model = GPT.from_pretrained(FIXTURE).eval()
+    eager = model.generate(PROMPTS[:1], 8, num_samples=2, generator=gen())
+    assert model not in engine._CACHES
+    model.decode_graphs = True  # on the CPU: the graph's step called instead of replayed
     first = model.generate(PROMPTS[:1], 8, num_samples=2, generator=gen())
     k = engine._CACHES[model]["kv"][0][0]
     assert k.shape[0] == 2 and model.generate(PROMPTS[:1], 4, generator=gen()) and \
         engine._CACHES[model]["kv"][0][0].data_ptr() == k.data_ptr()  # 1 row, 4 steps: the same cache
     model.generate(PROMPTS, 20, num_samples=3, generator=gen())
     assert engine._CACHES[model]["kv"][0][0].shape[0] == 3 * len(PROMPTS)
-    for a, b in zip(first, model.generate(PROMPTS[:1], 8, num_samples=2, generator=gen())):
-        assert torch.equal(a, b)
+    for a, b, c in zip(first, model.generate(PROMPTS[:1], 8, num_samples=2, generator=gen()), eager):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 def test_decode_graphs_sample_the_same(tiny):
     """model.decode_graphs: each decode step replayed from a graph captured once per (rows, width), kept with the
@@ -142,6 +146,8 @@ def test_decode_graphs_sample_the_same(tiny):
     model = GPT.from_pretrained(FIXTURE).eval()
     run = lambda graphs: (setattr(model, "decode_graphs", graphs),
                              model.generate(PROMPTS, 70, num_samples=2, eos_id=eos, generator=gen()))[1]
+    eager = lambda: (copy := GPT(model.config), copy.load_state_dict(model.state_dict()), copy.eval(),
+                     copy.generate(PROMPTS, 70, num_samples=2, eos_id=eos, generator=gen()))[-1]  # graphs kept
 
     def same(a, b):  # without graphs finished rows are dropped, so the matmuls' shapes differ: log-probs to 1e-5
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -156,7 +162,7 @@ def test_decode_graphs_sample_the_same(tiny):
     assert replays() == graphs  # the same graphs replayed
     with torch.no_grad():
         model.lm_head.weight.mul_(1.5)  # in place, as the optimizer: the graphs read it
-    want = run(False)
+    want = eager()
     same(run(True), want)
     assert replays() == graphs
     model.lm_head.weight.data = model.lm_head.weight.data.clone()  # moved: the graphs would read the old copy
