@@ -1,9 +1,9 @@
 # Qwen2.5-3B-Instruct on Countdown (TinyZero's task: reach the target with the given numbers, + - * /, each number
-# once), Dr. GRPO with DAPO's clip-higher, on one 80 GB GPU: bf16 autocast, torch.compile, activation checkpointing.
-# Memory by arithmetic (README.md, "Real models"): about 58 GB at the update's peak, 75 GB with cuda_graphs=True.
-# Download the model first (README.md, "Real models"); the task is generated, there is nothing else to fetch:
+# once), Dr. GRPO with DAPO's clip-higher, on one 80 GB GPU: bf16 autocast, torch.compile, activation checkpointing;
+# by arithmetic about 58 GB at the update's peak, 75 GB with cuda_graphs=True (README.md, "Real models", which also
+# says how to download the model; the task is generated here). A 24 GB GPU: add
+# --init_from=models/Qwen2.5-0.5B-Instruct --micro_batch_size=4
 # $ python train.py config/qwen_countdown.py
-# A 24 GB GPU: add --init_from=models/Qwen2.5-0.5B-Instruct --micro_batch_size=4
 from tokenizer import QWEN25_SYSTEM as _system  # the system message Qwen2.5's own chat template inserts
 
 out_dir = 'out-qwen_countdown'
