@@ -211,6 +211,24 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     return batch, info
 
 
+def rollout_metrics(info, G, reward_fns, device):
+    """What the log says of a rollout, over all ranks: the rewards (mean, std, each function's mean), the accuracy
+    (the first function's score >= 1), the share of flat groups, completion lengths (also of right and of wrong
+    answers, where a length bias shows), the truncated share and the sampler's tokens/s."""
+    rewards, scores, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
+                                           for k in ('rewards', 'scores', 'lengths', 'truncated'))
+    correct = scores[:, 0].nan_to_num() >= 1
+    m = dict(reward=rewards.nanmean().item(), reward_std=rewards.std().item(), acc=correct.double().mean().item(),
+             flat_groups=is_flat(rewards, G).double().mean().item(), len_mean=lengths.mean().item(),
+             len_max=lengths.max().item(), truncated=truncated.mean().item(), dropped_groups=info['dropped_groups'],
+             rollout_tok_s=lengths.sum().item() / info['time']['generate'])
+    m.update({f'reward/{f.__name__}': scores[:, j].nanmean().item() for j, f in enumerate(reward_fns)})
+    for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # absent when there are none
+        if rows.any():
+            m[key] = lengths[rows].mean().item()
+    return m
+
+
 def micro_batches(batch, size):
     """Yield (rows, micro-batch), the ceil(B / size) micro-batches of a step, every row of batch in exactly one,
     with next to no forward or backward work on padding. Each row needs its prompt and the completion tokens that

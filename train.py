@@ -34,14 +34,15 @@ import lora
 import parallelism
 from configurator import check_config, check_device, configure
 from data import default_reward, load_dataset
-from evaluate import evaluate, greedy_hits
+from evaluate import evaluate
 from loss import entropy_threshold, grpo_loss
-from measure import hms, lap, matmul_peak, memory_mb, ticker
+from measure import hms, lap, matmul_peak, memory_mb
 from model import GPT, GPTConfig
-from parallelism import full, full_state_dict, gathered
+from parallelism import full, gathered
 from tokenizer import check_template, get_tokenizer, stop_ids
 from reward import get_reward_fns
-from rollout import all_sum, encode_prompt, gather, is_flat, logprobs, micro_batches, pack, prompt_seed, rollout
+from rollout import all_sum, encode_prompt, gather, logprobs, micro_batches, prompt_seed, rollout, rollout_metrics
+from sft import warm_start
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
@@ -74,9 +75,7 @@ block_size = 64
 vocab_size = 0  # 0 = the tokenizer's; more pads the output layer (nanoGPT's 50304), e.g. for benchmarks
 dropout = 0.0
 bias = True
-# supervised warm start on the task's answers (a cold start, as in DeepSeek-R1), cached in out_dir/warmstart, for
-# a new run (not a resume): GRPO learns only from groups whose rewards differ, so a policy that never gets a reward
-# learns nothing
+# supervised warm start on the task's answers, for a new run (sft.py: why, and the out_dir/warmstart cache)
 sft_iters = None  # None = 400 from scratch (10-60% greedy accuracy on 2-digit addition, far from what RL then
 # reaches) and 0 from a pretrained checkpoint, which needs no warm start
 sft_batch_size = 64
@@ -288,52 +287,6 @@ def make_optimizer(lr):
     return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), fused=device_type == 'cuda')
 
 
-def warm_start():
-    """Supervised cold start on the train answers, cached in out_dir/warmstart (reused while its config matches)."""
-    keys = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
-            'vocab_size', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',
-            'sft_learning_rate', 'sft_target_acc', 'seed')
-    spec = {k: config[k] for k in keys}
-    path = os.path.join(out_dir, 'warmstart')
-    if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
-        parallelism.load_whole(raw_model, GPT.from_pretrained(path, dtype=param_dtype).state_dict())
-        return 'loaded'
-    opt = make_optimizer(sft_learning_rate)
-    tick = ticker('warm start', sft_iters, 'steps', progress_interval if master else math.inf)
-    probe = train_rows[rank:256:world_size]  # the same prompts at every check
-    probe_seeds = [prompt_seed(seed, -3, j) for j in range(rank, len(probe) * world_size, world_size)]
-    steps = sft_iters
-    for i in range(sft_iters):
-        if sft_target_acc and i and i % 50 == 0:
-            with gathered(raw_model):  # FSDP: the whole weights for the sampler
-                hits = greedy_hits(raw_model, probe, probe_seeds, cfg, enc, reward_fns[0])[0]
-            hits, n = all_sum(torch.tensor([hits, len(probe)], dtype=torch.float64)).tolist()  # over all ranks
-            if hits / n >= sft_target_acc:
-                steps = i
-                break
-        g = torch.Generator().manual_seed(prompt_seed(seed, -2, i))
-        picks = torch.randint(len(train_rows), (sft_batch_size,), generator=g).tolist()
-        picks = picks[rank::world_size]
-        prompts = [encode_prompt(train_rows[j]['prompt'], cfg, enc) for j in picks]
-        answers = [enc.encode_ordinary(train_rows[j]['answer']) + cfg.eos_ids[:1] for j in picks]
-        idx, start = pack(prompts, answers, cfg.eos_ids[0])
-        L = max(map(len, answers))
-        mask = (torch.arange(L) < torch.tensor([len(a) for a in answers])[:, None]).float()  # (B, L)
-        with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
-            logps = model(idx.to(device), start.to(device), L)  # (B, L) through DDP's forward
-        mask = mask.to(device, logps.dtype)
-        loss = -(logps * mask).sum() / all_sum(mask.sum()) * world_size  # token mean over all ranks
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        tick(i + 1, f", loss {loss.item():.3f}")
-    weights = full_state_dict(raw_model, keep=master)  # every rank takes part under FSDP
-    if master:
-        raw_model.save_pretrained(path, state_dict=weights)
-        checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
-    return f'trained {steps} iters'
-
-
 def get_lr(step, total):
     if step < warmup_iters:
         return learning_rate * (step + 1) / (warmup_iters + 1)
@@ -469,7 +422,7 @@ if init_from == 'resume':
     checkpoint.load_optimizer(state['dir'], optimizer, rank if fsdp else None)
 elif sft_iters > 0:
     t = time.time()
-    how = warm_start()
+    how = warm_start(model, raw_model, make_optimizer(sft_learning_rate), train_rows, cfg, enc, reward_fns[0], rank)
     if master:
         print(f"warm start: {how} ({time.time() - t:.1f}s)", flush=True)
 ref_model = None
@@ -527,22 +480,10 @@ for it in range(iter_start, max_iters + 1):
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
                          f"(iteration {it}); the last good checkpoint in {out_dir} is intact. Lower learning_rate "
                          f"or check the rewards, then resume with init_from='resume'")
-    # logging: gathered over ranks first, so the line describes the whole step
-    rewards, scores, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
-                                           for k in ('rewards', 'scores', 'lengths', 'truncated'))
-    correct = scores[:, 0].nan_to_num() >= 1
-    m = dict(iter=it, reward=rewards.nanmean().item(), reward_std=rewards.std().item(),
-             acc=correct.double().mean().item(),
-             flat_groups=is_flat(rewards, num_generations).double().mean().item(),
-             len_mean=lengths.mean().item(), len_max=lengths.max().item(), truncated=truncated.mean().item(),
-             dropped_groups=info['dropped_groups'], bad_steps=bad,
-             rollout_tok_s=lengths.sum().item() / info['time']['generate'],
+    # logging: the rollout's numbers gathered over ranks first, so the line describes the whole step
+    m = dict(iter=it, **rollout_metrics(info, num_generations, reward_fns, device), bad_steps=bad,
              train_tok_s=stats.pop('train_tokens') / (t2 - t1), mfu=stats.pop('flops') / (t2 - t1) / peak, dt=t2 - t0,
              mem_mb=max(mem_rollout, mem_train), **parallelism.resident_mb(raw_model, optimizer, ref_model), **stats)
-    m.update({f'reward/{f.__name__}': scores[:, j].nanmean().item() for j, f in enumerate(reward_fns)})
-    for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # length bias; absent when none
-        if rows.any():
-            m[key] = lengths[rows].mean().item()
     for k, v in info['time'].items():  # seconds per phase; 'comm' has parts in both
         m[f'time/{k}'] = v + times.pop(k, 0.0)
     m.update({f'time/{k}': v for k, v in times.items()})

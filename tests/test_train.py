@@ -160,6 +160,16 @@ def test_warm_start_stops_at_its_target_accuracy(tmp_path):
         assert f'warm start: trained {steps} iters' in p.stdout
 
 
+def test_warm_start_is_cached_while_its_settings_match(tmp_path):
+    """out_dir/warmstart is reused by the next run with the same settings (a tuple option included, which its JSON
+    file reads back as a list) and trained again when one of them changes."""
+    args = ['--max_iters=0', '--eval_interval=0', '--task=countdown', "--task_options={'count': (3,)}",
+            '--block_size=256']
+    said = lambda *more: run(args + list(more), tmp_path / 'out').stdout.split('warm start: ')[1].split(' (')[0]
+    assert said() == 'trained 3 iters' and said() == 'loaded'
+    assert said('--sft_learning_rate=0.01') == 'trained 3 iters' and said('--sft_learning_rate=0.01') == 'loaded'
+
+
 def test_nothing_imports_bench():
     """Imports run one way: bench.py measures the trainer's modules, none of them depends on it."""
     for f in os.listdir(ROOT):

@@ -1,0 +1,70 @@
+"""
+The supervised warm start, a cold start as in DeepSeek-R1: next-token training on the task's answers before RL.
+GRPO learns only from groups whose rewards differ, so a policy that never earns a reward learns nothing; a model
+trained from scratch starts here, a pretrained one skips it (train.py's sft_iters). The weights it ends with are
+cached in out_dir/warmstart and reused by later runs while the settings that made them match.
+"""
+import json
+import math
+import os
+
+import torch
+
+import checkpoint
+import parallelism
+from evaluate import greedy_hits
+from measure import ticker
+from model import GPT
+from parallelism import full_state_dict, gathered
+from rollout import all_sum, encode_prompt, pack, prompt_seed
+
+# the settings the cached weights depend on
+KEYS = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
+        'vocab_size', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',
+        'sft_learning_rate', 'sft_target_acc', 'seed')
+
+
+def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
+    """Train `model` (DDP's or FSDP's wrapper of raw_model) on the answers of the train rows with `optimizer`, or
+    load the cached result. Every rank takes sft_batch_size / ranks rows a step, the same draws whatever the ranks.
+    With sft_target_acc it ends once greedy accuracy on the first 256 train prompts reaches it (checked every 50
+    steps). Returns what it did, for the log."""
+    spec = json.loads(json.dumps({k: getattr(cfg, k) for k in KEYS}))  # as the JSON file reads back: lists, not tuples
+    path = os.path.join(cfg.out_dir, 'warmstart')
+    dtype, device = next(raw_model.parameters()).dtype, next(raw_model.parameters()).device
+    if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
+        parallelism.load_whole(raw_model, GPT.from_pretrained(path, dtype=dtype).state_dict())
+        return 'loaded'
+    ranks, eos = cfg.world_size, cfg.eos_ids[0]
+    tick = ticker('warm start', cfg.sft_iters, 'steps', cfg.progress_interval if rank == 0 else math.inf)
+    probe = rows[rank:256:ranks]  # the same prompts at every check
+    probe_seeds = [prompt_seed(cfg.seed, -3, j) for j in range(rank, len(probe) * ranks, ranks)]
+    steps = cfg.sft_iters
+    for i in range(cfg.sft_iters):
+        if cfg.sft_target_acc and i and i % 50 == 0:
+            with gathered(raw_model):  # FSDP: the whole weights for the sampler
+                hits = greedy_hits(raw_model, probe, probe_seeds, cfg, enc, reward_fn)[0]
+            hits, n = all_sum(torch.tensor([hits, len(probe)], dtype=torch.float64)).tolist()  # over all ranks
+            if hits / n >= cfg.sft_target_acc:
+                steps = i
+                break
+        g = torch.Generator().manual_seed(prompt_seed(cfg.seed, -2, i))
+        picks = torch.randint(len(rows), (cfg.sft_batch_size,), generator=g).tolist()[rank::ranks]
+        prompts = [encode_prompt(rows[j]['prompt'], cfg, enc) for j in picks]
+        answers = [enc.encode_ordinary(rows[j]['answer']) + [eos] for j in picks]
+        idx, start = pack(prompts, answers, eos)
+        L = max(map(len, answers))
+        mask = (torch.arange(L) < torch.tensor([len(a) for a in answers])[:, None]).float()  # (B, L)
+        with torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
+            logps = model(idx.to(device), start.to(device), L)  # (B, L) through DDP's forward
+        mask = mask.to(device, logps.dtype)
+        loss = -(logps * mask).sum() / all_sum(mask.sum()) * ranks  # token mean over all ranks
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tick(i + 1, f", loss {loss.item():.3f}")
+    weights = full_state_dict(raw_model, keep=rank == 0)  # every rank takes part under FSDP
+    if rank == 0:
+        raw_model.save_pretrained(path, state_dict=weights)
+        checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
+    return f'trained {steps} iters'
