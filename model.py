@@ -318,8 +318,12 @@ class GPT(nn.Module):
     def from_pretrained(cls, path, device=None, dtype=None):
         """Load a Hugging Face checkpoint directory (GPT-2 or the Llama family; hf.py reads the format) in dtype
         (default: the checkpoint's own; the weights are copied into parameters of that dtype, so a float64 checkpoint
-        loads exactly and a bf16 one upcasts exactly), then move it to device if given."""
+        loads exactly and a bf16 one upcasts exactly), then move it to device if given. device='meta': the model's
+        shape only, no weights read (FSDP's ranks but the first, which get their shards from it)."""
         fields, own_dtype = hf.read_config(path)
+        if device == 'meta':
+            with torch.device('meta'):
+                return cls(GPTConfig(**fields)).to(dtype=dtype or own_dtype)
         model = cls(GPTConfig(**fields)).to(dtype=dtype or own_dtype)
         hf.load_weights(path, model.config, model.state_dict())  # the state dict shares the parameters' storage
         return model.to(device=device)

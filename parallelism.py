@@ -46,13 +46,16 @@ def shard(model, bf16=False):
     return model
 
 
-def load_whole(model, state_dict):
-    """Copy whole tensors (a Hugging Face checkpoint's) into model, each rank keeping its shard under FSDP."""
+def load_whole(model, read):
+    """Copy whole tensors, read() -> a state dict (a Hugging Face checkpoint's), into model. Under FSDP only rank 0
+    calls read(), and sends each tensor to the others, each rank keeping its shard: one copy in host memory, not one
+    per rank."""
     if not sharded(model):
-        model.load_state_dict(state_dict)
+        model.load_state_dict(read())
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, read() if dist.get_rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def set_grad_sync(model, on):

@@ -33,7 +33,7 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
     path = os.path.join(cfg.out_dir, 'warmstart')
     dtype, device = next(raw_model.parameters()).dtype, next(raw_model.parameters()).device
     if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
-        parallelism.load_whole(raw_model, GPT.from_pretrained(path, dtype=dtype).state_dict())
+        parallelism.load_whole(raw_model, lambda: GPT.from_pretrained(path, dtype=dtype).state_dict())
         return 'loaded'
     ranks, eos = cfg.world_size, cfg.eos_ids[0]
     tick = ticker('warm start', cfg.sft_iters, 'steps', cfg.progress_interval if rank == 0 else math.inf)

@@ -248,29 +248,31 @@ for rows, name in ((train_rows, task), (test_rows, test_task or task)):
 
 # model
 torch.manual_seed(seed)  # the scratch init: the same weights on every rank and in every run
-if init_from == 'resume':
-    model = GPT.from_pretrained(state['dir'], dtype=param_dtype)
-elif init_from == 'scratch':
+fsdp = distributed and parallel == 'fsdp'
+if init_from == 'scratch':
     model = GPT(GPTConfig(block_size=block_size, vocab_size=max(vocab_size, enc.n_vocab), n_layer=n_layer,
                           n_head=n_head, n_embd=n_embd, dropout=dropout, bias=bias))
-else:
-    model = GPT.from_pretrained(init_from, dtype=param_dtype)
+else:  # under FSDP only rank 0 reads the weights; the others build the shape alone, then get their shards from it
+    model = GPT.from_pretrained(state['dir'] if init_from == 'resume' else init_from, dtype=param_dtype,
+                                device='meta' if fsdp and not master else None)
 if model.config.vocab_size < enc.n_vocab:
     raise ValueError(f"the model's vocab_size {model.config.vocab_size} < tokenizer '{tokenizer}' n_vocab "
                      f"{enc.n_vocab}; pick the tokenizer the model was trained with")
 if model.config.block_size < block_size:
     raise ValueError(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower block_size")
-model.to(device=device, dtype=param_dtype)
+model.to(device=None if fsdp else device, dtype=param_dtype)
 model.gradient_checkpointing = gradient_checkpointing
 if lora_rank:  # the adapters' random A is drawn from the seeded generator: the same on every rank
     lora.add_lora(model, lora_rank, lora_alpha, lora_dropout, lora_targets or 'all-linear')
-    if init_from == 'resume':
+    if init_from == 'resume' and (master or not fsdp):
         lora.load_adapter(model, os.path.join(state['dir'], 'adapter'))
 raw_model = model
-fsdp = distributed and parallel == 'fsdp'
 fsdp_bf16 = device_type == 'cuda' and dtype == 'bfloat16'  # FSDP's mixed precision: bf16 compute copies
-if fsdp:  # in place: raw_model is the sharded model
+if fsdp:  # in place: raw_model is the sharded model, each rank's shards sent by rank 0
+    whole = model.state_dict() if master else {}
     parallelism.shard(raw_model, fsdp_bf16)
+    parallelism.load_whole(raw_model.to_empty(device=device), lambda: whole)
+    del whole
 if compile:
     model = torch.compile(model)  # the training forward, i.e. the log-prob path
     raw_model.decode = torch.compile(raw_model.decode, fullgraph=True)  # generate's step, sampling included
@@ -430,12 +432,13 @@ if beta > 0 and lora_rank:
     ref_model = raw_model  # the policy itself: rollout.py computes the reference's log-probs with the adapters off
 elif beta > 0:  # the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
     # a new module, not a deepcopy of the policy, which would share its compiled decode step
-    ref_model = GPT(raw_model.config).to(device, param_dtype).eval().requires_grad_(False)
+    with torch.device('meta' if fsdp else device):  # FSDP: sharded before it takes any memory
+        ref_model = GPT(raw_model.config).to(dtype=param_dtype).eval().requires_grad_(False)
     if fsdp:  # sharded like the policy, so the state dicts below match shard for shard
-        parallelism.shard(ref_model, fsdp_bf16)
+        parallelism.shard(ref_model, fsdp_bf16).to_empty(device=device)
     if init_from == 'resume':
-        parallelism.load_whole(ref_model, GPT.from_pretrained(os.path.join(state['dir'], 'ref'),
-                                                              dtype=param_dtype).state_dict())
+        parallelism.load_whole(ref_model, lambda: GPT.from_pretrained(os.path.join(state['dir'], 'ref'),
+                                                                      dtype=param_dtype).state_dict())
     else:
         ref_model.load_state_dict(raw_model.state_dict())
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]  # in the dtype the update computes in

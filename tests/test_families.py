@@ -75,6 +75,17 @@ def test_bf16_checkpoint_loads_in_its_own_dtype():
     assert logits.dtype == torch.bfloat16
     assert (logits.float() - ref["logits_bf16"].float()).abs().max() < 0.5  # README-modern's bf16 tolerance
 
+def test_meta_device_reads_the_shape_only(tmp_path):
+    """FSDP's ranks but the first build the model with device='meta' (train.py): from config.json alone, no weights
+    read and no memory taken, the same names, shapes and dtypes as the loaded model."""
+    path = os.path.join(FIXTURES, "tiny-qwen2-a")
+    shutil.copy(os.path.join(path, "config.json"), tmp_path)  # no weights file at all
+    meta = GPT.from_pretrained(str(tmp_path), dtype=torch.float32, device="meta")
+    real = GPT.from_pretrained(path, dtype=torch.float32)
+    assert all(t.is_meta for t in meta.state_dict().values())
+    assert {k: (t.shape, t.dtype) for k, t in meta.state_dict().items()} == \
+        {k: (t.shape, t.dtype) for k, t in real.state_dict().items()}
+
 # -----------------------------------------------------------------------------
 # the KV cache: full recomputation, one prompt alone, the trainer's log-prob path
 
