@@ -53,8 +53,8 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
 def static_cache(model, N, S, dtype, device):
     """The model's KV cache with at least N rows and S columns: per layer keys and values (rows, nkv, cols, hs),
     and a key mask (rows, cols). With graphs, kept for the next call and grown (to the largest rows and columns
-    asked so far, its graphs dropped) only when a call needs more. Zeros, not empty: masked columns get attention weight 0, and 0 * NaN
-    garbage would still be NaN; after that only the model's own keys and values are ever written."""
+    asked so far, its graphs dropped) only when a call needs more. Zeros, not empty: masked columns get attention
+    weight 0, and 0 * NaN garbage would still be NaN; after that only the model's own keys and values are written."""
     cfg, c = model.config, _CACHES.get(model)
     if c is None or c["kv"][0][0].shape[0] < N or c["kv"][0][0].shape[2] < S or c["kv"][0][0].dtype != dtype or \
             c["kv"][0][0].device != device:
