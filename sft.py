@@ -31,7 +31,8 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
     steps). Returns what it did, for the log."""
     spec = json.loads(json.dumps({k: getattr(cfg, k) for k in KEYS}))  # as the JSON file reads back: lists, not tuples
     path = os.path.join(cfg.out_dir, 'warmstart')
-    dtype, device = next(raw_model.parameters()).dtype, next(raw_model.parameters()).device
+    p = next(raw_model.parameters())
+    dtype, device = p.dtype, p.device
     if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
         parallelism.load_whole(raw_model, lambda: GPT.from_pretrained(path, dtype=dtype).state_dict())
         return 'loaded'

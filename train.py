@@ -275,7 +275,8 @@ if fsdp:  # in place: raw_model is the sharded model, each rank's shards sent by
     del whole
 if compile:
     model = torch.compile(model)  # the training forward, i.e. the log-prob path
-    raw_model.decode = torch.compile(raw_model.decode, fullgraph=True)  # generate's step, sampling included
+    # generate's step, sampling included: one graph, except under FSDP, whose hooks around each block break it
+    raw_model.decode = torch.compile(raw_model.decode, fullgraph=not fsdp)
 raw_model.decode_graphs = cuda_graphs and device_type == 'cuda'
 if distributed and not fsdp:
     model = DDP(model, device_ids=[int(device.split(':')[1])] if device_type == 'cuda' else None)

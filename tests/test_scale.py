@@ -69,6 +69,22 @@ def test_fsdp_equals_ddp_and_one_rank(policy, tmp_path):
     assert max_diff(merged['fsdp'], merged['ddp']) <= 1e-10 and max_diff(merged['fsdp'], start) > 1e-6
 
 
+def test_fsdp_compiled_is_fsdp_eager(policy, tmp_path):
+    """compile=True under FSDP (the Qwen recipes compile; FSDP's per-block hooks are graph breaks, which the decode
+    step's one-graph compile refused): the same samples and rewards as eager FSDP, and the same two optimizer steps
+    to compiled code's rounding (it orders the float64 sums differently; AdamW's first steps move every weight by
+    ~lr whatever its gradient's size, so 1e-16 becomes ~1e-7 where a gradient is near zero)."""
+    runs = [STEP + [f'--init_from={policy}', '--loss_type=dr_grpo', '--parallel=fsdp', f'--compile={c}',
+                    f'--out_dir={tmp_path}/{c}'] for c in (False, True)]
+    launch(runs, tmp_path, TWO)
+    (eager,), (compiled,) = rollouts(f'{tmp_path}/False'), rollouts(f'{tmp_path}/True')
+    for k in ('reward', 'len_mean', 'truncated', 'acc', 'flat_groups'):
+        assert eager[k] == compiled[k], k
+    for k in STATS:
+        assert abs(eager[k] - compiled[k]) <= 1e-6 * max(1, abs(eager[k])), (k, eager[k], compiled[k])
+    assert max_diff(weights(f'{tmp_path}/False'), weights(f'{tmp_path}/True')) <= 1e-5  # the steps: ~3e-3 each
+
+
 def test_fsdp_bitwise_resume(policy, tmp_path):
     """4 iterations straight = 2, stop, resume, 2 more, under FSDP, full and LoRA (one launch for both): weights or
     adapters, each rank's optimizer shard, the reference model and the rollouts."""
