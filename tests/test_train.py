@@ -63,6 +63,16 @@ def test_torchrun_two_processes_writes_a_loadable_checkpoint(tmp_path):
     assert all(0 < m['mfu'] < 1 for m in rows)  # against the peak measured at start
 
 
+def test_a_checkpoint_is_evaluated_without_training(tmp_path):
+    """README's evaluation command: max_iters=0 from a checkpoint runs the held-out evaluation alone, and writes
+    nothing but its metrics line (no checkpoint, no warm start)."""
+    run(['--max_iters=1', '--eval_interval=0'], tmp_path / 'run')
+    ckpt = tmp_path / 'run' / json.load(open(tmp_path / 'run' / 'latest'))
+    p = run(['--max_iters=0', f'--init_from={ckpt}', '--sft_iters=0'], tmp_path / 'eval')
+    assert 'eval 0: greedy acc ' in p.stdout and 'iter ' not in p.stdout
+    assert os.listdir(tmp_path / 'eval') == ['metrics.jsonl'] and [m['iter'] for m in metrics(tmp_path / 'eval')] == [0]
+
+
 def test_padded_vocab(tmp_path):
     """An output layer wider than the tokenizer (nanoGPT pads to 50304) samples ids the tokenizer cannot decode:
     they stay in the completion's tokens but not in its text."""
