@@ -5,7 +5,8 @@
 # random Qwen2.5-0.5B and 3B weights: speed does not depend on them; a random model never samples eos, so every
 # completion runs to max_completion_length, the slowest case), gpt2 (training steps of GPT-2 124M), qwen05c (the
 # Qwen training step compiled, and at micro-batches of 32; not in the default list). All of them take more than one
-# 10-minute call: about 7 minutes for tests probe qwen05 gsm8k, 8 for countdown gpt2, qwen05c untimed (a guess: 3-5).
+# 10-minute call: 7-9 minutes for tests probe qwen05 gsm8k (tests, never run on a GPU yet, up to 4), 8 for countdown
+# gpt2, qwen05c untimed (a guess: 3-5).
 # $ OUT=gpu_results bash bench_gpu.sh tests probe qwen05 gsm8k   # results in $OUT: log.txt and JSON per part
 # $ GRAPHS=--cuda_graphs OUT=gpu_results bash bench_gpu.sh qwen05 gsm8k   # generate with CUDA graphs (engine.py)
 # docs/h200/ holds the first session's output (probe qwen05 gsm8k gpt2, no GRAPHS, without the last gpt2 step)
@@ -20,7 +21,7 @@ log() { echo "== $(date +%T) $*" | tee -a "$OUT/log.txt"; }
 step() { local limit=$1; shift; log "$*"; timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -40; \
          log "exit ${PIPESTATUS[0]}"; }
 
-tests() { step 180 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda.py; }
+tests() { step 240 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda.py; }
 
 # a decode step at 64 and 256 rows, cache 640 columns: eager, and replayed as a CUDA graph (no host work at all),
 # casting the float32 weights at every step or reading bf16 copies of them (engine.half_weights)

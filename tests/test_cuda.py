@@ -3,9 +3,11 @@ The CUDA code paths, which CI (no GPU) skips: on a machine with one, `python -m 
 (bench_gpu.sh runs it first). The same properties as the CPU tests, on the GPU's kernels: the fixtures' logits
 against what transformers computed, the cached decode against full recomputation, a decode step replayed as a
 CUDA graph against the step itself, generate with engine.py's graphs against without, and a Qwen recipe as
-written (bf16 autocast, torch.compile, activation checkpointing) with CUDA graphs for two iterations of train.py.
+written (bf16 autocast, torch.compile, activation checkpointing) with CUDA graphs for two iterations of train.py,
+then under FSDP on one GPU.
 """
 import os
+import sys
 
 import pytest
 import torch
@@ -109,3 +111,17 @@ def test_qwen_recipe_as_written_on_cuda(tmp_path):
          "--task=countdown", "--task_options={'count': (3,)}"], out)
     rows = [m for m in metrics(out) if "reward" in m]
     assert [m["iter"] for m in rows] == [0, 1] and all(m["mfu"] > 0 for m in rows)
+
+
+def test_qwen_recipe_under_fsdp_on_cuda(tmp_path):
+    """The same recipe under FSDP on one GPU (torchrun, nccl): rank 0's checkpoint sent by broadcast_from_rank0 into
+    the model built on the meta device, FSDP's bf16 mixed precision, torch.compile with FSDP's hooks as graph
+    breaks, and a reference model (beta > 0) built sharded on the meta device."""
+    fixtures = os.path.join(ROOT, "tests", "fixtures")
+    out = tmp_path / "out"
+    run(["config/qwen_countdown.py", "--max_iters=2", f"--init_from={fixtures}/tiny-qwen2-a", "--block_size=256",
+         f"--tokenizer={fixtures}/tiny-bpe-a", "--eval_interval=2", "--device=cuda", "--parallel=fsdp", "--beta=0.04",
+         "--task=countdown", "--task_options={'count': (3,)}"], out,
+        launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"))
+    rows = [m for m in metrics(out) if "reward" in m]
+    assert [m["iter"] for m in rows] == [0, 1] and all(m["mfu"] > 0 and m["kl"] > -1e-6 for m in rows)
