@@ -28,6 +28,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 
@@ -157,21 +158,46 @@ def timed_peak(fn, args):
     seconds = timed(fn, args.device, args.repeat)
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
 
-def run_train(args, out_dir, env=None, ranks=1, **overrides):
+def run_train(args, out_dir, env=None, ranks=1, peaks=None, **overrides):
     """Run train.py with no warm start on args' device, dtype, compile and CUDA graphs, with --key=value overrides
     and the environment env (default: this one), on `ranks` processes (torchrun); return its training iterations'
-    metrics from out_dir/metrics.jsonl."""
+    metrics from out_dir/metrics.jsonl. peaks: a dict to fill with each rank's peak resident memory in MB."""
     config = dict(device=args.device, dtype=args.dtype, compile=args.compile, cuda_graphs=args.cuda_graphs,
                   sft_iters=0, out_dir=out_dir, **overrides)
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
                                    if ranks > 1 else [])
     cmd = launcher + ["train.py"] + [f"--{k}={v!r}" for k, v in config.items()]
-    p = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
-                       env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {(p.stderr.strip().splitlines() or ['no stderr'])[-1]}")
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.DEVNULL,
+                             stderr=err, text=True, env=env)
+        while peaks is not None and p.poll() is None:
+            for rank, mb in peak_rss_mb(cmd[-1]).items():
+                peaks[rank] = max(peaks.get(rank, 0.0), mb)
+            time.sleep(0.05)
+        if p.wait() != 0:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed: {(err.read().strip().splitlines() or ['no stderr'])[-1]}")
+    if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+        return []  # max_iters=0 without an evaluation
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [m for m in map(json.loads, f) if "dt" in m]  # the eval lines have no dt
+
+def peak_rss_mb(last_arg):
+    """{rank: peak resident memory in MB so far (VmHWM)} of the running train.py processes whose command line ends
+    with last_arg: torchrun's workers by their LOCAL_RANK, a process alone as rank 0 (Linux's /proc)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            status = open(f"/proc/{pid}/status").read()
+        except OSError:
+            continue  # gone, or not ours
+        if last_arg.encode() not in argv or b"torch.distributed.run" in argv:  # not one of its ranks
+            continue
+        rank = next((int(v[len(b"LOCAL_RANK="):]) for v in environ if v.startswith(b"LOCAL_RANK=")), 0)
+        out[rank] = int(status.split("VmHWM:")[1].split()[0]) / 1024
+    return out
 
 # -----------------------------------------------------------------------------
 # sections
@@ -503,8 +529,25 @@ def bench_scale(args, model, results):
     r["lora_vs_full_optimizer"] = r["lora_1rank_optimizer_mb"] / r["full_optimizer_mb"]
     r["lora_vs_full_iteration"] = r["lora_1rank_iteration_s"] / r["full_iteration_s"]
 
+def bench_start(args, model, results):
+    """Each of 2 ranks' peak resident memory (CPU) while train.py starts from this model's checkpoint and stops
+    (max_iters=0, no evaluation): under DDP every rank reads the checkpoint whole, under FSDP rank 0 alone reads it
+    and the others build the model on the meta device and receive their shards."""
+    r = results["start"] = {}
+    for name in ("ddp", "fsdp"):
+        with tempfile.TemporaryDirectory() as out_dir:
+            model.save_pretrained(os.path.join(out_dir, "init"))
+            peaks = {}
+            run_train(args, out_dir, ranks=2, peaks=peaks, parallel=name, init_from=os.path.join(out_dir, "init"),
+                      block_size=args.block_size, max_iters=0, eval_interval=0, task=task_file(args, out_dir),
+                      prompts_per_step=args.prompts, num_generations=args.G, max_completion_length=args.new_tokens,
+                      micro_batch_size=math.gcd(args.micro_batch_size, args.prompts * args.G // 2), peak_flops=1e12)
+        for rank in range(2):
+            r[f"{name}_rank{rank}_peak_mb"] = peaks.get(rank, math.nan)
+    r["weights_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
 SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration, bench_tokenizer,
-            bench_scale]
+            bench_scale, bench_start]
 
 def soak(args, iters=200, every=20, warmup=40, limit=0.02):
     """Memory soak: `iters` iterations of a tiny model through train.py, evals and checkpoints included. A leak (a

@@ -21,14 +21,14 @@ def test_bench_runs_every_section(tmp_path, lengths):
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert {'peak', 'train_step', 'iteration'} | ({'sampling', 'logprobs', 'tokenizer', 'scale'} if lengths == 'fixed'
-                                                  else set()) <= r.keys()
+    every = {'sampling', 'logprobs', 'tokenizer', 'scale', 'start'}
+    assert {'peak', 'train_step', 'iteration'} | (every if lengths == 'fixed' else set()) <= r.keys()
     if lengths == 'fixed':  # FSDP holds half of DDP's parameters and AdamW state on each of 2 ranks, LoRA no reference
         s = r['scale']
         assert s['fsdp_vs_ddp_params_optimizer'] == pytest.approx(0.5, abs=0.05)
         assert s['lora_ref_mb'] == 0 < s['ddp_ref_mb'] and s['lora_grads_mb'] < s['ddp_grads_mb'] / 2
     numbers = [v for section in r.values() for v in section.values() if isinstance(v, float)]
-    assert all(math.isfinite(v) for v in numbers)
+    assert all(math.isfinite(v) for v in numbers)  # the start section's peaks too: each rank's process was found
     for section in ('train_step', 'iteration'):
         assert 0 < r[section]['completion_len'] <= 16 and 0 <= r[section]['pad_share'] < 1
     if lengths == 'fixed':
