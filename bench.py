@@ -13,8 +13,9 @@ $ python bench.py --soak                           # 200 iterations of train.py:
 
 Sections: the machine's matmul peak (every MFU is against it), sampling (KV cache vs naive full recompute, and a
 batch where half the rows end early), the log-prob pass (chunked, also with each token's entropy, vs a plain full
-log-softmax), one training step (forward, GRPO loss, backward, clip, AdamW), and whole GRPO iterations of train.py
-itself, phase by phase.
+log-softmax), one training step (forward, GRPO loss, backward, clip, AdamW), whole GRPO iterations of train.py
+itself, phase by phase, building a Hugging Face tokenizer, what each rank holds under DDP, FSDP and LoRA (scale),
+and each rank's memory while train.py starts from a checkpoint (start).
 """
 
 import argparse
