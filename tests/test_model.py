@@ -173,17 +173,19 @@ def test_decode_graphs_under_autocast_read_half_copies_of_the_weights(tiny):
     """Under autocast a replayed step reads bf16 copies of the matmuls' weights (engine.half_weights), refreshed at
     every call, instead of casting every weight at every step: the same samples as the eager autocast steps, bit
     for bit, also after the weights change in place; and the captured step really reads the copies."""
-    model = GPT.from_pretrained(FIXTURE).eval()
+    # two models: an eager call frees its cache, which would drop the graphs and copies whose refresh is checked
+    model, eager = GPT.from_pretrained(FIXTURE).eval(), GPT.from_pretrained(FIXTURE).eval()
+    model.decode_graphs = True
 
-    def run(graphs):  # no eos: no row finishes early, so eager and graphs run the same shapes
-        model.decode_graphs = graphs
+    def run(model):  # no eos: no row finishes early, so eager and graphs run the same shapes
         with torch.autocast("cpu", torch.bfloat16):
             return model.generate(PROMPTS, 20, num_samples=2, generator=torch.Generator().manual_seed(0))
     for _ in range(2):
-        want, got = run(False), run(True)
+        want, got = run(eager), run(model)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
         with torch.no_grad():
-            model.transformer.h[0].mlp.c_fc.weight.mul_(1.5)  # in place, as the optimizer
+            for m in (model, eager):
+                m.transformer.h[0].mlp.c_fc.weight.mul_(1.5)  # in place, as the optimizer
     cache = engine._CACHES[model]
     half = cache["half"]
     assert half["model.lm_head.weight"].dtype == torch.bfloat16 and "model.transformer.wte.weight" not in half
