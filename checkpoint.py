@@ -7,7 +7,7 @@ Checkpoints that survive SIGKILL at any moment.
                               per rank, its shard), optimizer.json, trainer.json (iteration, step, config)
                               ref/ (the frozen reference model, only when beta > 0 without LoRA)
                               adapter/ (LoRA: PEFT's adapter_config.json + adapter_model.safetensors; the model
-                              files beside it are then the frozen base, hard links to the run's first checkpoint's),
+                              files beside it are then the frozen base, hard links to the run's previous checkpoint's),
                               merged/ (LoRA's merged model, if asked)
                               tokenizer.json, generation_config.json... (a checkpoint's tokenizer's, when used)
 
