@@ -172,7 +172,7 @@ def run_train(args, out_dir, env=None, ranks=1, peaks=None, **overrides):
         p = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.DEVNULL,
                              stderr=err, text=True, env=env)
         while peaks is not None and p.poll() is None:
-            for rank, mb in peak_rss_mb(cmd[-1]).items():
+            for rank, mb in peak_rss_mb(f"--out_dir={out_dir!r}").items():
                 peaks[rank] = max(peaks.get(rank, 0.0), mb)
             time.sleep(0.05)
         if p.wait() != 0:
@@ -183,9 +183,9 @@ def run_train(args, out_dir, env=None, ranks=1, peaks=None, **overrides):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [m for m in map(json.loads, f) if "dt" in m]  # the eval lines have no dt
 
-def peak_rss_mb(last_arg):
-    """{rank: peak resident memory in MB so far (VmHWM)} of the running train.py processes whose command line ends
-    with last_arg: torchrun's workers by their LOCAL_RANK, a process alone as rank 0 (Linux's /proc)."""
+def peak_rss_mb(arg):
+    """{rank: peak resident memory in MB so far (VmHWM)} of the running train.py processes with arg (their out_dir)
+    on their command line: torchrun's workers by their LOCAL_RANK, a process alone as rank 0 (Linux's /proc)."""
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -194,8 +194,8 @@ def peak_rss_mb(last_arg):
             status = open(f"/proc/{pid}/status").read()
         except OSError:
             continue  # gone, or not ours
-        if last_arg.encode() not in argv or b"torch.distributed.run" in argv:  # not one of its ranks
-            continue
+        if arg.encode() not in argv or b"torch.distributed.run" in argv or "VmHWM:" not in status:
+            continue  # not one of its ranks, or one that has just exited
         rank = next((int(v[len(b"LOCAL_RANK="):]) for v in environ if v.startswith(b"LOCAL_RANK=")), 0)
         out[rank] = int(status.split("VmHWM:")[1].split()[0]) / 1024
     return out
@@ -535,16 +535,18 @@ def bench_start(args, model, results):
     (max_iters=0, no evaluation): under DDP every rank reads the checkpoint whole, under FSDP rank 0 alone reads it
     and the others build the model on the meta device and receive their shards."""
     r = results["start"] = {}
-    for name in ("ddp", "fsdp"):
-        with tempfile.TemporaryDirectory() as out_dir:
-            model.save_pretrained(os.path.join(out_dir, "init"))
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(os.path.join(tmp, "init"))
+        task = task_file(args, tmp)
+        for name in ("ddp", "fsdp"):
             peaks = {}
-            run_train(args, out_dir, ranks=2, peaks=peaks, parallel=name, init_from=os.path.join(out_dir, "init"),
-                      block_size=args.block_size, max_iters=0, eval_interval=0, task=task_file(args, out_dir),
-                      prompts_per_step=args.prompts, num_generations=args.G, max_completion_length=args.new_tokens,
+            run_train(args, os.path.join(tmp, name), ranks=2, peaks=peaks, parallel=name,
+                      init_from=os.path.join(tmp, "init"), block_size=args.block_size, max_iters=0, eval_interval=0,
+                      task=task, prompts_per_step=args.prompts, num_generations=args.G,
+                      max_completion_length=args.new_tokens,
                       micro_batch_size=math.gcd(args.micro_batch_size, args.prompts * args.G // 2), peak_flops=1e12)
-        for rank in range(2):
-            r[f"{name}_rank{rank}_peak_mb"] = peaks.get(rank, math.nan)
+            for rank in range(2):
+                r[f"{name}_rank{rank}_peak_mb"] = peaks.get(rank, math.nan)
     r["weights_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 
 SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration, bench_tokenizer,
