@@ -129,12 +129,13 @@ def decode_flops(model, args, prompt_len, steps):
     return sum(rows * model.flops_per_token(prompt_len + t, backward=False) for t in range(1, steps))
 
 def grpo_batch(args):
-    """A GRPO-shaped batch of random tokens, seeded: idx (rows, prompt_len + new_tokens), each row's prompt length
-    and the completion mask (rows, new_tokens), all True, or a prefix of a geometric length with --lengths
-    geometric."""
+    """A GRPO-shaped batch of random tokens, seeded: idx (rows, prompt_len + new_tokens), G rows to a prompt, each
+    row's prompt length and the completion mask (rows, new_tokens), all True, or a prefix of a geometric length
+    with --lengths geometric."""
     rows, P, C = args.prompts * args.G, args.prompt_len, args.new_tokens
     g = torch.Generator().manual_seed(3)
     idx = torch.randint(0, args.vocab_size, (rows, P + C), generator=g)
+    idx[:, :P] = idx[::args.G, :P].repeat_interleave(args.G, 0)  # a group's rows share its prompt
     lengths = torch.full((rows,), C)
     if args.lengths == "geometric":  # P(L = k) = p (1 - p)^(k - 1) with mean 1/p = 3C/8, cut at C
         p = 8 / (3 * C)
@@ -387,12 +388,13 @@ def bench_train_step(args, model, results):
     idx, start, mask = grpo_batch(args)
     parts = [mb for _, mb in micro_batches(dict(idx=idx, start=start, mask=mask), args.micro_batch_size)]
     computed = sum(mb['idx'].numel() for mb in parts)  # tokens through the model, padding included
+    placed = sum(mb['tokens'] for mb in parts)  # those of them that are not padding
     flops = sum(model.update_flops(*mb['idx'].shape, mb['mask'].sum().item() / len(mb['idx'])) for mb in parts)
     results["train_step"] = dict(
         rows=len(idx), micro_batch_size=min(args.micro_batch_size, len(idx)), lengths=args.lengths,
         completion_len=mask.sum(1).double().mean().item(), step_ms=seconds * 1e3,
         tokens_per_s=(start + mask.sum(1)).sum().item() / seconds,  # prompt and completion tokens, no padding
-        pad_share=1 - (start + mask.sum(1)).sum().item() / computed,
+        pad_share=1 - placed / computed, saved_share=1 - placed / (start + mask.sum(1)).sum().item(),
         mfu=flops / seconds / (results["peak"]["tflops"] * 1e12), peak_mb=peak / 2**20)
     if vs_full is not None:
         results["train_step"]["time_vs_full_length"] = vs_full
@@ -448,7 +450,7 @@ def bench_iteration(args, model, results):
     for phase in PHASES:
         r[f"{phase}_s"] = mean(f"time/{phase}")
         r[f"{phase}_share"] = r[f"{phase}_s"] / r["dt_s"]
-    r.update({k: mean(k) for k in ("rollout_tok_s", "train_tok_s", "pad_share", "mfu", "mem_mb")})
+    r.update({k: mean(k) for k in ("rollout_tok_s", "train_tok_s", "pad_share", "saved_share", "mfu", "mem_mb")})
 
 def synthetic_tokenizer(path, n_vocab, seed=0):
     """Write a byte-level BPE tokenizer.json in the Qwen2.5 layout (its pre-tokenizer, NFC, ignore_merges false,

@@ -218,11 +218,18 @@ class GPT(nn.Module):
     def _hidden(self, idx, pos=None, kv=None, col=0, key_mask=None):
         """Final hidden states (B, T, C) of idx (B, T); kv, col and key_mask are generate()'s cache plumbing. pos
         (B, T) without kv: rows packed one after another (rollout.micro_batches), each token's position in its own
-        row, 0 where one begins."""
+        row. A prompt begins at 0; a row begins wherever positions do not go on by one, and one that begins past 0
+        carries on the prompt before it (the rows of a group share its tokens): it sees the prompt's tokens at the
+        positions before its own first one, and its own, never another row's."""
         T = idx.size(1)
         if pos is not None and kv is None:
-            row = (pos == 0).cumsum(1)  # (B, T) which row of the sequence each token is in
-            key_mask = (row[:, :, None] == row[:, None, :]).tril()[:, None]  # (B, 1, T, T) causal, within a row
+            t = torch.arange(T, device=idx.device)
+            new = torch.cat((pos[:, :1] >= 0, pos[:, 1:] != pos[:, :-1] + 1), 1)  # (B, T) a row begins here
+            row, prompt = new.cumsum(1), (pos == 0).cumsum(1)  # (B, T) which row and which prompt a token is in
+            first = pos - t + torch.where(new, t, 0).cummax(1).values  # (B, T) the position its row begins at
+            seen = (row[:, :, None] == row[:, None, :]) | (prompt[:, :, None] == prompt[:, None, :]) & \
+                (pos[:, None, :] < first[:, :, None])  # (B, T, T) query, key
+            key_mask = seen.tril()[:, None]  # (B, 1, T, T) causal
         if pos is None:
             if T > self.config.block_size:
                 raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}; "

@@ -306,13 +306,13 @@ def policy_update(batch, optimizer, step, total_steps):
     rows = B // steps_per_generation  # this rank's completions per optimizer step
     accum = rows // micro_batch_size
     sums, bad, times, t, dev = {}, 0, {}, time.perf_counter(), batch['idx'].device
-    tokens = real = flops = 0  # tokens through the model, those of them that are not padding, model FLOPs
+    tokens = placed = rows_tokens = flops = 0  # through the model, those not padding, the rows' own, model FLOPs
     for _ in range(num_iterations):
         for s in range(steps_per_generation):
             part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
             # the whole step's normalisers: every micro-batch of every rank divides by the same numbers
             num_tokens = all_sum(part['mask'].sum().float())
-            real += (part['start'] + part['mask'].sum(1)).sum().item()  # prompt and completion tokens
+            rows_tokens += (part['start'] + part['mask'].sum(1)).sum().item()  # prompt and completion tokens
             if top_entropy_quantile < 1:  # 80/20: the top share by entropy under the policy as it is now, over the
                 # whole step (all ranks, all micro-batches), so the choice does not depend on the split
                 with gathered(raw_model):
@@ -327,7 +327,8 @@ def policy_update(batch, optimizer, step, total_steps):
                     logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, True, need,
                                            mb['pos'])
                 (b, T), n = mb['idx'].shape, int(need.sum())
-                tokens, flops = tokens + b * T, flops + raw_model.update_flops(b, T, n / b)
+                tokens, placed = tokens + b * T, placed + mb['tokens']
+                flops += raw_model.update_flops(b, T, n / b)
                 loss, stats = grpo_loss(
                     logps, None if cfg.on_policy else mb['old_logps'].to(logps.dtype), mb.get('ref_logps'),
                     mb['advantages'].to(logps.dtype), mb['mask'], **loss_config, num_sequences=rows * world_size,
@@ -355,8 +356,9 @@ def policy_update(batch, optimizer, step, total_steps):
     n = num_iterations * steps_per_generation * accum * world_size
     stats = dict(zip(sums, (all_sum(torch.stack(list(sums.values()))) / n).tolist()))
     stats.update(grad_norm=norm.item(), lr=get_lr(max(step - 1, 0), total_steps), flops=flops)
-    tokens, real = all_sum(torch.tensor([tokens, real], dtype=torch.float64)).tolist()
-    stats.update(train_tokens=tokens, pad_share=1 - real / tokens)  # over all ranks
+    tokens, placed, rows_tokens = all_sum(torch.tensor([tokens, placed, rows_tokens], dtype=torch.float64)).tolist()
+    # over all ranks: the padding's share of what ran, and the share of the rows' tokens a shared prompt saved
+    stats.update(train_tokens=tokens, pad_share=1 - placed / tokens, saved_share=1 - placed / rows_tokens)
     return stats, step, bad, times
 
 

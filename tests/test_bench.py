@@ -31,8 +31,10 @@ def test_bench_runs_every_section(tmp_path, lengths):
     assert all(math.isfinite(v) for v in numbers)  # the start section's peaks too: each rank's process was found
     for section in ('train_step', 'iteration'):
         assert 0 < r[section]['completion_len'] <= 16 and 0 <= r[section]['pad_share'] < 1
-    if lengths == 'fixed':
-        assert r['train_step']['pad_share'] == 0 and r['train_step']['completion_len'] == 16
+        assert 0 <= r[section]['saved_share'] < 1
+    if lengths == 'fixed':  # rows of the longest length: one to a sequence, no padding and no prompt shared
+        assert r['train_step']['pad_share'] == r['train_step']['saved_share'] == 0
+        assert r['train_step']['completion_len'] == 16
     else:  # shorter rows than the limit, so sorting them had padding to cut
         assert r['train_step']['completion_len'] < 16 and 'time_vs_full_length' in r['train_step']
 

@@ -190,37 +190,56 @@ def test_nothing_imports_bench():
             assert 'bench' not in names, f
 
 
-def test_micro_batches_pack_rows_and_change_nothing_but_the_work():
+def packing_case(case):
+    """(idx, start, need, size) of test_micro_batches...: rows of their own prompts; groups of rows sharing one; and
+    two groups laid out in one sequence, a prompt's second row after the other prompt's tokens."""
+    g = torch.Generator().manual_seed(0)
+    if case == 'one sequence, two groups':  # [A + row 1][row 0][B + row 2][row 3] and row 4 alone: capacity 13
+        idx, start, need = torch.randint(0, 50, (5, 13), generator=g), torch.tensor([3, 3, 3, 3, 6]), [1, 2, 1, 1, 7]
+        idx[1, :3], idx[3, :3] = idx[0, :3], idx[2, :3]
+        return idx, start, torch.tensor(need), 5
+    need = torch.tensor([2, 1, 6, 7, 0, 3, 1, 7, 2, 5])  # two rows run to the limit, one has no token that counts
+    idx, start = torch.randint(0, 50, (10, 12), generator=g), torch.randint(1, 6, (10,), generator=g)
+    if case == 'groups':  # rows 0-3 share a prompt, 4-6 and 7-8 others; row 9's prompt is a single token
+        idx[:, :5] = idx[[0, 0, 0, 0, 4, 4, 4, 7, 7, 9], :5]
+        start = torch.tensor([4, 4, 4, 4, 3, 3, 3, 3, 3, 1])
+    return idx, start, need, 3
+
+
+@pytest.mark.parametrize('case', ['rows', 'groups', 'one sequence, two groups'])
+def test_micro_batches_pack_rows_and_change_nothing_but_the_work(case):
     """rollout.micro_batches: ceil(B / size) micro-batches of at most `size` packed sequences, none longer than the
-    longest row, every row once with its own tokens and positions; the log-probs, entropies and gradients of packed
-    micro-batches equal those of each row alone (float64), and the log-prob pass equals one over the padded batch."""
+    longest row, every row once with its own tokens and positions, each sequence holding the tokens of a prompt
+    once however many of its rows it holds; the log-probs, entropies and gradients of packed micro-batches equal
+    those of each row alone (float64), and the log-prob pass equals one over the padded batch."""
     from rollout import logprobs, micro_batches
     from types import SimpleNamespace
-    g = torch.Generator().manual_seed(0)
-    B, C = 10, 7
-    start = torch.randint(1, 6, (B,), generator=g)
-    need = torch.tensor([2, 1, 6, 7, 0, 3, 1, 7, 2, 5])  # two rows run to the limit, one has no token that counts
+    idx, start, need, size = packing_case(case)
+    B, C = len(need), int(need.max())
     mask = torch.arange(C) < need[:, None]  # (B, C) prefixes
-    batch = dict(idx=torch.randint(0, 50, (B, 5 + C), generator=g), start=start, mask=mask,
-                 advantages=torch.randn(B, generator=g))
+    batch = dict(idx=idx, start=start, mask=mask, advantages=torch.randn(B, generator=torch.Generator()))
     model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16)).double()
     w1, w2 = torch.randn(B, C, dtype=torch.float64), torch.randn(B, C, dtype=torch.float64)
-    seen, packed, sequences = [], 0.0, 0
-    for rows, mb in micro_batches(batch, 3):
+    seen, packed, sequences, tokens = [], 0.0, 0, 0
+    for rows, mb in micro_batches(batch, size):
         L = max(int(need[rows].max()), 1)
         S, T = mb['idx'].shape
-        assert S <= 3 and T <= int((start + need).max()) and mb['mask'].shape == (len(rows), L)
+        assert S <= size and T <= int((start + need).max()) and mb['mask'].shape == (len(rows), L)
         assert torch.equal(mb['mask'], mask[rows, :L]) and torch.equal(mb['advantages'], batch['advantages'][rows])
-        for k, r in enumerate(rows.tolist()):  # the row's prompt and counted completion, positions from 0
-            first = int(mb['start'][k]) - int(start[r])
-            span = slice(first, int(mb['start'][k]) + int(need[r]))
-            assert torch.equal(mb['idx'].flatten()[span], batch['idx'][r, :int(start[r] + need[r])])
-            assert mb['pos'].flatten()[span].tolist() == list(range(int(start[r] + need[r])))
+        for k, r in enumerate(rows.tolist()):  # the row's last prompt token and counted completion, their positions
+            span = slice(int(mb['start'][k]) - 1, int(mb['start'][k]) + int(need[r]))
+            assert torch.equal(mb['idx'].flatten()[span], batch['idx'][r, int(start[r]) - 1:int(start[r] + need[r])])
+            assert mb['pos'].flatten()[span].tolist() == list(range(int(start[r]) - 1, int(start[r] + need[r])))
+        # placed: each row's last prompt token and completion, and once per sequence the rest of each prompt in it
+        held = {(int(mb['start'][k] - 1) // T, tuple(idx[r, :int(start[r])].tolist())) for k, r in enumerate(rows)}
+        assert mb['tokens'] == int((need[rows] + 1).sum()) + sum(len(p) - 1 for _, p in held) <= S * T
         lp, ent = model.logprobs(mb['idx'], mb['start'], L, 0.7, True, need[rows], mb['pos'])
         packed = packed + (lp * w1[rows, :L] + ent * w2[rows, :L]).sum()
         seen.append(rows)
-        sequences += S
-    assert len(seen) == 4 and sorted(torch.cat(seen).tolist()) == list(range(B)) and sequences < B
+        sequences, tokens = sequences + S, tokens + mb['tokens']
+    assert len(seen) == -(-B // size) and sorted(torch.cat(seen).tolist()) == list(range(B)) and sequences < B
+    # every row's tokens are placed when each has its own prompt; with groups, fewer
+    assert (tokens == int((start + need).sum())) == (case == 'rows')
     packed.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -232,7 +251,8 @@ def test_micro_batches_pack_rows_and_change_nothing_but_the_work():
     torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
     for a, p in zip(grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-10, atol=1e-12)
-    cfg = SimpleNamespace(micro_batch_size=3, dtype='float64', ptdtype=torch.float64, autocast=False, temperature=0.7)
+    cfg = SimpleNamespace(micro_batch_size=size, dtype='float64', ptdtype=torch.float64, autocast=False,
+                          temperature=0.7)
     with torch.no_grad():
         whole = model.logprobs(batch['idx'], start, C, 0.7)  # (B, C) in one pass, padded to the longest row
     torch.testing.assert_close(logprobs(model, batch, cfg)[mask], whole[mask], rtol=1e-12, atol=1e-12)
