@@ -97,7 +97,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv * T, hs).to(kv[0].dtype), *kv,
                                                attn_mask=key_mask)
             return self.resid_dropout(self.c_proj(y.reshape(B, nh * hs)[:, None]))
-        # key_mask here: packed rows (B, 1, T, T), each token sees the earlier tokens of its own row only
+        # key_mask here: packed rows (B, 1, T, T), each token sees the earlier tokens of its own row and prompt
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, is_causal=key_mask is None,
                                            enable_gqa=nkv != nh, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # re-assemble all head outputs side by side
