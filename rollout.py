@@ -277,16 +277,16 @@ def micro_batches(batch, size):
         T = max(sum(b - a for _, a, b, _ in s) for s in part)
         begin = [q * T + sum(b - a for _, a, b, _ in s[:k]) for q, s in enumerate(part) for k in range(len(s))]
         r, a, b, own = (torch.tensor(x, device=dev) for x in zip(*[x for s in part for x in s]))
-        begin, n = torch.tensor(begin, device=dev), b - a  # (spans,) flat index in (S, T) where each begins, tokens
-        k = torch.arange(int(n.sum()), device=dev) - (n.cumsum(0) - n).repeat_interleave(n)  # (tokens,) in its span
-        at, within = begin.repeat_interleave(n) + k, a.repeat_interleave(n) + k  # flat index, position in its row
+        begin, width = torch.tensor(begin, device=dev), b - a  # (spans,) flat index in (S, T) where each begins, tokens
+        j = torch.arange(int(width.sum()), device=dev) - (width.cumsum(0) - width).repeat_interleave(width)  # in span
+        at, within = begin.repeat_interleave(width) + j, a.repeat_interleave(width) + j  # flat index, position in row
         idx = batch['idx'].new_zeros(len(part) * T)  # padding: token 0 at position 0, a row of its own nobody reads
-        idx[at] = batch['idx'][r.repeat_interleave(n), within]
+        idx[at] = batch['idx'][r.repeat_interleave(width), within]
         pos = torch.zeros_like(idx).index_put_((at,), within)
         rows = r[own]
         L = max(int(need[rows].max()), 1)
         mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k not in ('idx', 'start')}
-        yield rows, dict(mb, idx=idx.view(-1, T), pos=pos.view(-1, T), start=begin[own] + 1, tokens=int(n.sum()))
+        yield rows, dict(mb, idx=idx.view(-1, T), pos=pos.view(-1, T), start=begin[own] + 1, tokens=len(at))
 
 
 @torch.inference_mode()
