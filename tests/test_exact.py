@@ -104,6 +104,11 @@ def test_split_invariance(policy, tmp_path):
             assert max_diff(got[case], ref[case]) <= 1e-10, (layout, case)
     for case in CASES:  # and the step did something
         assert max_diff(ref[case], start) > 1e-4, case
+    # some of those steps' sequences held a prompt once for two of its rows (rollout.micro_batches), laid out
+    # differently in each layout
+    shared = [json.loads(line).get('saved_share', 0) for lt, beta, mu in CASES
+              for line in open(f'{tmp_path}/1x4/{lt}-{beta}-{mu}/metrics.jsonl')]
+    assert max(shared) > 0, shared
 
 
 # issue 12's knobs, each in a run of its own (with mu = 2 where it matters only off-policy); the mixup run syncs
