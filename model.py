@@ -227,8 +227,8 @@ class GPT(nn.Module):
             new = torch.cat((pos[:, :1] >= 0, pos[:, 1:] != pos[:, :-1] + 1), 1)  # (B, T) a row begins here
             row, prompt = new.cumsum(1), (pos == 0).cumsum(1)  # (B, T) which row and which prompt a token is in
             first = pos - t + torch.where(new, t, 0).cummax(1).values  # (B, T) the position its row begins at
-            seen = (row[:, :, None] == row[:, None, :]) | (prompt[:, :, None] == prompt[:, None, :]) & \
-                (pos[:, None, :] < first[:, :, None])  # (B, T, T) query, key
+            seen = (row[:, :, None] == row[:, None, :]) | ((prompt[:, :, None] == prompt[:, None, :]) &
+                                                           (pos[:, None, :] < first[:, :, None]))  # (B, T, T) q, k
             key_mask = seen.tril()[:, None]  # (B, 1, T, T) causal
         if pos is None:
             if T > self.config.block_size:
