@@ -327,8 +327,10 @@ def test_chunked_entropy_matches_full_softmax(dtype):
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("used", ["both", "logp only", "entropy only", "entropy weighted 0"])
-def test_chunked_entropy_gradient(dtype, used):
-    """d sum(a * logp + b * entropy) / d h, weight; an output the loss leaves out gets no gradient (None)."""
+@pytest.mark.parametrize("keep", [False, True])
+def test_chunked_entropy_gradient(dtype, used, keep):
+    """d sum(a * logp + b * entropy) / d h, weight; an output the loss leaves out gets no gradient (None). Backward
+    from the log-softmax forward kept (keep) gives exactly what it gives recomputing it."""
     h, weight, targets = head_inputs(getattr(torch, dtype))
     a, b = torch.randn(2, 23, dtype=h.dtype, generator=torch.Generator().manual_seed(1))
 
@@ -339,10 +341,15 @@ def test_chunked_entropy_gradient(dtype, used):
             return (b * ent).sum()
         return (a * lp + (0 if used == "entropy weighted 0" else b) * ent).sum()  # zeros, not None, for the 0
 
-    grads = torch.autograd.grad(loss(*HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, True)), (h, weight))
+    out = HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, True, keep)
+    grads = torch.autograd.grad(loss(*out), (h, weight), retain_graph=True)
     ref = torch.autograd.grad(loss(*plain_head(h, weight, targets, 0.7)), (h, weight))
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, **HEAD_TOL[dtype])
+    if keep:  # exactly what recomputing gives, and again in a second backward through the same graph
+        again = torch.autograd.grad(loss(*HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, True)), (h, weight))
+        twice = torch.autograd.grad(loss(*out), (h, weight))
+        assert all(torch.equal(g, x) and torch.equal(g, y) for g, x, y in zip(grads, again, twice))
 
 def brute_logprobs_entropy(model, idx, start, length, temperature):
     """Every position's full log-softmax in the model's dtype: (B, length) target log-probs and entropies."""
@@ -354,8 +361,9 @@ def brute_logprobs_entropy(model, idx, start, length, temperature):
 
 def test_logprobs_entropy_match_brute_force_with_chunks_and_grad(monkeypatch):
     torch.manual_seed(0)
-    apply = HeadLogprobs.apply  # 7-row chunks: 3 x 20 targets make eight full chunks and a ragged one of 4
-    monkeypatch.setattr(HeadLogprobs, "apply", lambda h, w, t, temp, rows, *rest: apply(h, w, t, temp, 7, *rest))
+    apply, keeps = HeadLogprobs.apply, []  # 7-row chunks: 3 x 20 targets make eight full chunks and a ragged one of 4
+    monkeypatch.setattr(HeadLogprobs, "apply", lambda h, w, t, temp, rows, *rest: keeps.append(rest[-1]) or
+                        apply(h, w, t, temp, 7, *rest))
     model = GPT(GPTConfig(block_size=32, vocab_size=60, n_layer=2, n_head=2, n_embd=16)).double()
     idx, start, length = torch.randint(0, 60, (3, 32)), torch.tensor([5, 12, 1]), 20
     a, b = torch.randn(2, 3, length, dtype=torch.float64)
@@ -372,6 +380,10 @@ def test_logprobs_entropy_match_brute_force_with_chunks_and_grad(monkeypatch):
         torch.testing.assert_close(g, p.grad, atol=1e-10, rtol=1e-8)
     with torch.no_grad():
         assert torch.equal(model.logprobs(idx, start, length, 0.7), lp)  # entropy=False: one tensor, the same
+    model.gradient_checkpointing = True
+    model(idx, start, length, 0.7, entropy=True)
+    # the log-softmax is kept for backward in the training forward, not without grad nor when checkpointing
+    assert keeps == [True, False, False]
 
 def test_logprobs_with_lengths_computes_only_the_positions_that_count():
     """lengths: out and H equal the full pass where j < lengths[b] and are 0 past it, and the gradients are those of
