@@ -283,8 +283,8 @@ class GPT(nn.Module):
         keep = (j < (length if lengths is None else lengths[:, None])).expand(n, -1)  # (n, length) those computed
         before = (start[:, None] + j - 1)[keep]  # (k,) flat index of the position before each target
         rows = max(1, 2**26 // self.config.vocab_size)  # each chunk's float32 logits stay near 256 MB
-        # backward recomputes each chunk's log-softmax when the blocks are recomputed too (gradient checkpointing:
-        # memory before time), else it keeps them from forward
+        # backward recomputes each chunk's logits when the blocks are recomputed too (gradient checkpointing: memory
+        # before time), else it keeps them from forward
         hold = torch.is_grad_enabled() and not self.gradient_checkpointing
         out = HeadLogprobs.apply(h.flatten(0, 1)[before], self.lm_head.weight, idx.flatten()[before + 1],
                                  temperature, rows, self._dtype(), entropy, hold)  # (k,) or ((k,), (k,))
@@ -350,9 +350,9 @@ class GPT(nn.Module):
 class HeadLogprobs(torch.autograd.Function):
     """out[i] = log softmax(h[i] @ weight.T / temperature)[targets[i]] for h (n, C): the output layer and its
     log-softmax, rows chunks of rows at a time, the matmuls in dtype, the softmax in float32. Backward takes each
-    chunk's log-softmax from forward when keep (V x 4 bytes more a position, until backward; a training step of
-    bench.py's default shape in 0.81 of the time) or, to save that memory, recomputes it from h: d out[i] /
-    d logits[i] = onehot(targets[i]) - softmax, and adds the chunk's weight gradient into one (V, C) buffer in place,
+    chunk's logits from forward when keep (V x 4 bytes more a position, until backward; a training step of bench.py's
+    default shape in 0.8 of the time) or, to save that memory, recomputes them from h, the same numbers either way,
+    then d out[i] / d logits[i] = onehot(targets[i]) - softmax, and adds the chunk's weight gradient into one (V, C) buffer in place,
     where autograd through chunks would make a fresh (V, C) gradient per chunk and sum them (1.2x slower here on
     Qwen's 151,936-token vocabulary).
     With entropy=True it also returns the entropy H[i] = -sum_j p_j log p_j of the same p = softmax(z), z = logits /
@@ -371,20 +371,21 @@ class HeadLogprobs(torch.autograd.Function):
         w = weight.to(dtype)
         out, ent, kept = [], [], []
         for i in range(0, max(len(h), 1), rows):  # one empty chunk when no position counts
-            logp = HeadLogprobs._logits(h[i:i + rows], w, temperature).log_softmax(-1)  # (n, V)
+            logits = HeadLogprobs._logits(h[i:i + rows], w, temperature)  # (n, V)
+            logp = logits.log_softmax(-1)  # (n, V)
             out.append(logp.gather(1, targets[i:i + rows, None]).squeeze(1))
             if entropy:
                 ent.append(logp.exp().mul_(logp).sum(-1).neg_())  # (n,) -sum_j p_j log p_j
             if keep:
-                kept.append(logp)
+                kept.append(logits)
         out, ent = torch.cat(out), torch.cat(ent) if entropy else None
-        ctx.save_for_backward(h, weight, targets, ent)  # H (n,) is cheap to keep and backward needs it
-        ctx.kept = kept  # off save_for_backward: backward changes them in place, and once only (see there)
+        ctx.save_for_backward(h, weight, targets, ent, *kept)  # H (n,) is cheap to keep and backward needs it
         return (out, ent) if entropy else out
 
     @staticmethod
     def backward(ctx, grad, grad_ent=None):
-        h, weight, targets, ent = ctx.saved_tensors  # ent: H (n,), or None when forward did not compute it
+        # ent: H (n,), or None when forward did not compute it; kept: each chunk's logits, or none
+        h, weight, targets, ent, *kept = ctx.saved_tensors
         temperature, rows, dtype = ctx.args
         if grad is None and grad_ent is None:
             return None, None, None, None, None, None, None, None
@@ -393,16 +394,12 @@ class HeadLogprobs(torch.autograd.Function):
         for c, i in enumerate(range(0, len(h), rows)):
             hc, sl = h[i:i + rows], slice(i, i + rows)  # (n, C)
             g = None if grad is None else grad[sl, None] / temperature  # (n, 1); / temperature: dz/dlogits
-            # (n, V), changed in place below: forward's is used once, and a second backward (retain_graph)
-            # through the same graph recomputes it
-            logp = ctx.kept[c] if ctx.kept and ctx.kept[c] is not None else \
-                HeadLogprobs._logits(hc, w, temperature).log_softmax(-1)
-            if ctx.kept:
-                ctx.kept[c] = None
+            logits = kept[c] if kept else HeadLogprobs._logits(hc, w, temperature)  # (n, V), never changed
             if grad_ent is None:
-                d = logp.exp_().mul_(-g)  # (n, V) -p g
+                d = logits.softmax(-1).mul_(-g)  # (n, V) -p g
             else:  # the log-prob's -p g plus g_H dH/dz = -p g_H (log p + H), as p (-g_H log p - (g + g_H H))
                 gh = grad_ent[sl, None] / temperature  # (n, 1)
+                logp = logits.log_softmax(-1)  # (n, V)
                 p = logp.exp()  # (n, V)
                 d = logp.mul_(-gh).sub_(gh * ent[sl, None] + (0 if g is None else g)).mul_(p)  # (n, V) in place
                 del p  # before the matmuls: at most two (n, V) float32 tensors at a time, as without entropy
