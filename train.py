@@ -150,7 +150,7 @@ dtype = 'float32'  # 'float32', 'float64' (exactness tests), 'bfloat16'/'float16
 compile = False
 cuda_graphs = False  # on CUDA, replay generate's decode steps as CUDA graphs (engine.py): no host overhead per token
 gradient_checkpointing = False  # recompute each block in backward: activations of one block, not all; and the
-# output layer's log-softmax, which is otherwise kept from forward (vocab x 4 bytes per completion token)
+# output layer's logits, which are otherwise kept from forward (vocab x 4 bytes per completion token)
 seed = 1337
 peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at start
 
