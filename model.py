@@ -394,12 +394,16 @@ class HeadLogprobs(torch.autograd.Function):
         for c, i in enumerate(range(0, len(h), rows)):
             hc, sl = h[i:i + rows], slice(i, i + rows)  # (n, C)
             g = None if grad is None else grad[sl, None] / temperature  # (n, 1); / temperature: dz/dlogits
-            logits = kept[c] if kept else HeadLogprobs._logits(hc, w, temperature)  # (n, V), never changed
+            # (n, V), never changed: forward's, or recomputed and then dropped as soon as read (a recompute holds
+            # at most two (n, V) float32 tensors at a time)
+            logits = kept[c] if kept else HeadLogprobs._logits(hc, w, temperature)
             if grad_ent is None:
                 d = logits.softmax(-1).mul_(-g)  # (n, V) -p g
+                del logits
             else:  # the log-prob's -p g plus g_H dH/dz = -p g_H (log p + H), as p (-g_H log p - (g + g_H H))
                 gh = grad_ent[sl, None] / temperature  # (n, 1)
                 logp = logits.log_softmax(-1)  # (n, V)
+                del logits
                 p = logp.exp()  # (n, V)
                 d = logp.mul_(-gh).sub_(gh * ent[sl, None] + (0 if g is None else g)).mul_(p)  # (n, V) in place
                 del p  # before the matmuls: at most two (n, V) float32 tensors at a time, as without entropy
