@@ -389,12 +389,12 @@ def bench_train_step(args, model, results):
     parts = [mb for _, mb in micro_batches(dict(idx=idx, start=start, mask=mask), args.micro_batch_size)]
     computed = sum(mb['idx'].numel() for mb in parts)  # tokens through the model, padding included
     placed = sum(mb['tokens'] for mb in parts)  # those of them that are not padding
+    own = (start + mask.sum(1)).sum().item()  # the rows' prompt and completion tokens, each row alone
     flops = sum(model.update_flops(*mb['idx'].shape, mb['mask'].sum().item() / len(mb['idx'])) for mb in parts)
     results["train_step"] = dict(
         rows=len(idx), micro_batch_size=min(args.micro_batch_size, len(idx)), lengths=args.lengths,
         completion_len=mask.sum(1).double().mean().item(), step_ms=seconds * 1e3,
-        tokens_per_s=(start + mask.sum(1)).sum().item() / seconds,  # prompt and completion tokens, no padding
-        pad_share=1 - placed / computed, saved_share=1 - placed / (start + mask.sum(1)).sum().item(),
+        tokens_per_s=own / seconds, pad_share=1 - placed / computed, saved_share=1 - placed / own,
         mfu=flops / seconds / (results["peak"]["tflops"] * 1e12), peak_mb=peak / 2**20)
     if vs_full is not None:
         results["train_step"]["time_vs_full_length"] = vs_full
