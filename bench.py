@@ -37,7 +37,7 @@ import torch
 
 import lora
 from loss import grpo_loss
-from measure import matmul_peak, memory_mb, timed, timed_rounds
+from measure import keep_freed_memory, matmul_peak, memory_mb, timed, timed_rounds
 from model import GPT, GPTConfig
 from rollout import micro_batches
 from sampling import sample
@@ -144,8 +144,9 @@ def grpo_batch(args):
     return idx.to(args.device), torch.full((rows,), P, device=args.device), mask.to(args.device)
 
 def in_fresh_process(fn, *fn_args):
-    """fn(*fn_args) in a new process: the CPU memory high-water mark (ru_maxrss) is per process and never goes down."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    """fn(*fn_args) in a new process: the CPU memory high-water mark (ru_maxrss) is per process and never goes down.
+    Its C library keeps freed memory, as train.py's does."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=keep_freed_memory) as pool:
         return pool.submit(fn, *fn_args).result()
 
 def timed_peak(fn, args):
@@ -577,6 +578,7 @@ def soak(args, iters=200, every=20, warmup=40, limit=0.02):
 
 def main():
     args = get_args()
+    keep_freed_memory()  # as train.py: what is timed here is what the trainer runs
     if args.soak:
         sys.exit(0 if soak(args) else 1)
     model = build_model(args)

@@ -36,7 +36,7 @@ from configurator import check_config, check_device, configure
 from data import default_reward, load_dataset
 from evaluate import evaluate
 from loss import entropy_threshold, grpo_loss
-from measure import hms, lap, matmul_peak, memory_mb
+from measure import hms, keep_freed_memory, lap, matmul_peak, memory_mb
 from model import GPT, GPTConfig
 from parallelism import full, gathered
 from tokenizer import check_template, get_tokenizer, stop_ids
@@ -219,6 +219,7 @@ loss_config = {k: config[k] for k in inspect.signature(grpo_loss).parameters if 
 loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL is in the reward instead
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
+keep_freed_memory()  # CPU: the next chunk of logits reuses the last one's pages (measure.py says why)
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
