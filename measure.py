@@ -1,14 +1,14 @@
 """
 Measuring the machine: wall time per phase, memory, the matmul peak that MFU is a fraction of, and the progress
-lines of long phases; and the one setting of the machine's C library that CPU speed needs (keep_freed_memory).
+lines of long phases; and the one setting of the machine's C library that CPU speed needs (keep_freed).
 
 train.py logs with these and bench.py builds its numbers on them; the model and the loss never need them.
 """
 import ctypes
 import functools
 import os
-import sys
 import resource
+import sys
 import time
 
 import torch
@@ -67,14 +67,15 @@ def matmul_peak(device, dtype=torch.float32, repeat=5):
     return 2 * n**3 / seconds, f"{n}x{n} {dtype}".replace('torch.', '')
 
 
-def keep_freed_memory():
-    """Have the C library keep freed memory in the process for the next tensors, as PyTorch's caching allocator does
-    on a GPU, instead of handing it back. glibc's malloc gives every block over 32 MB (the output layer's chunks of
-    logits, its weight gradient) a mapping of its own and unmaps it when freed, so the next one of that size pays a
-    page fault per 4 KB page when first written: measured, a fifth of a CPU training step at bench.py's default
-    shape. The resident memory (memory_mb) then stays at its high-water mark instead of going down between phases.
-    Linux with glibc only; elsewhere nothing changes."""
-    if not sys.platform.startswith('linux'):
+def keep_freed(device):
+    """On a CPU device, have the C library keep freed memory in the process for the next tensors, as PyTorch's
+    caching allocator does on a GPU, instead of handing it back. glibc's malloc gives every block over 32 MB (the
+    output layer's chunks of logits, its weight gradient) a mapping of its own and unmaps it when freed, so the next
+    one of that size pays a page fault per 4 KB page when first written: measured, a fifth of a training step at
+    bench.py's default shape. The price: the resident memory (memory_mb) stays at its high-water mark, which
+    fragmentation raises (7-17% in train.py at that shape). Not for a GPU run, whose host memory would keep what
+    loading a checkpoint once needed. Linux with glibc only; elsewhere nothing changes."""
+    if torch.device(device).type != 'cpu' or not sys.platform.startswith('linux'):
         return
     try:
         mallopt = ctypes.CDLL(None).mallopt  # the process's own C library; musl has no mallopt

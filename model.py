@@ -352,9 +352,9 @@ class HeadLogprobs(torch.autograd.Function):
     log-softmax, rows chunks of rows at a time, the matmuls in dtype, the softmax in float32. Backward takes each
     chunk's logits from forward when keep (V x 4 bytes more a position, until backward; a training step of bench.py's
     default shape in 0.87 of the time) or, to save that memory, recomputes them from h, the same numbers either way,
-    then d out[i] / d logits[i] = onehot(targets[i]) - softmax, and adds the chunk's weight gradient into one (V, C) buffer in place,
-    where autograd through chunks would make a fresh (V, C) gradient per chunk and sum them (1.2x slower here on
-    Qwen's 151,936-token vocabulary).
+    then d out[i] / d logits[i] = onehot(targets[i]) - softmax, and adds the chunk's weight gradient into one (V, C)
+    buffer in place, where autograd through chunks would make a fresh (V, C) gradient per chunk and sum them (1.2x
+    slower here on Qwen's 151,936-token vocabulary).
     With entropy=True it also returns the entropy H[i] = -sum_j p_j log p_j of the same p = softmax(z), z = logits /
     temperature, from the same chunks, as (out, H); backward then adds dH / dz_j = -p_j (log p_j + H)."""
 

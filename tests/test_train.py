@@ -191,12 +191,13 @@ def test_nothing_imports_bench():
 
 
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason="glibc's malloc settings")
-@pytest.mark.parametrize('keep', [False, True])
-def test_keep_freed_memory(keep):
-    """measure.keep_freed_memory, which train.py and bench.py call: a freed 256 MB tensor's pages stay resident
-    and the next tensor of that size reuses them (the resident memory does not grow again), where by default glibc
-    hands them back at once. In a fresh process: the setting is the process's."""
-    code = ("import measure, torch\n" + ("measure.keep_freed_memory()\n" if keep else "") +
+@pytest.mark.parametrize('device', [None, 'cpu', 'cuda'])
+def test_keep_freed(device):
+    """measure.keep_freed(device), which train.py and bench.py call: for a CPU device a freed 256 MB tensor's
+    pages stay resident and the next tensor of that size reuses them (the resident memory does not grow again),
+    where by default (no call, or a GPU device) glibc hands them back at once. In a fresh process: the setting is
+    the process's."""
+    code = ("import measure, torch\n" + (f"measure.keep_freed({device!r})\n" if device else "") +
             "base = measure.memory_mb('cpu')\n"
             "for _ in range(2):\n"
             "    x = torch.ones(2**26)\n"  # float32: 256 MB, written
@@ -204,7 +205,7 @@ def test_keep_freed_memory(keep):
             "    print(measure.memory_mb('cpu') - base)\n")
     grown = [float(v) for v in subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,
                                               text=True, check=True).stdout.split()]
-    if keep:
+    if device == 'cpu':
         assert grown[0] > 250 and abs(grown[1] - grown[0]) < 16, grown
     else:
         assert grown[0] < 16 and grown[1] < 16, grown
