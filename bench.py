@@ -37,7 +37,7 @@ import torch
 
 import lora
 from loss import grpo_loss
-from measure import keep_freed, matmul_peak, memory_mb, timed, timed_rounds
+from measure import matmul_peak, memory_mb, timed, timed_rounds
 from model import GPT, GPTConfig
 from rollout import micro_batches
 from sampling import sample
@@ -143,12 +143,10 @@ def grpo_batch(args):
     mask = torch.arange(C) < lengths[:, None]  # (rows, C)
     return idx.to(args.device), torch.full((rows,), P, device=args.device), mask.to(args.device)
 
-def in_fresh_process(fn, args, *fn_args):
-    """fn(args, *fn_args) in a new process: the CPU memory high-water mark (ru_maxrss) is per process and never goes
-    down. Its C library keeps freed memory as train.py's does on args.device."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=keep_freed,
-                             initargs=(args.device,)) as pool:
-        return pool.submit(fn, args, *fn_args).result()
+def in_fresh_process(fn, *fn_args):
+    """fn(*fn_args) in a new process: the CPU memory high-water mark (ru_maxrss) is per process and never goes down."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *fn_args).result()
 
 def timed_peak(fn, args):
     """(best seconds of fn(), its peak memory in bytes above what is held before the first call): allocated bytes on
@@ -559,15 +557,14 @@ SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step,
 def soak(args, iters=200, every=20, warmup=40, limit=0.02):
     """Memory soak: `iters` iterations of a tiny model through train.py, evals and checkpoints included. A leak (a
     tensor kept per iteration, a cache that grows) shows as mem_mb creeping up, so after `warmup` iterations its
-    spread (max - min) / min must stay within `limit`. Freed memory is handed back (keep_freed_memory=False) and
-    glibc's malloc gets a fixed mmap threshold, so that it maps big blocks on their own and unmaps them when freed:
-    the resident set then follows what is really allocated, where kept memory would hide a slow leak in its free
-    holes. Prints mem_mb every `every` iterations; returns the verdict."""
+    spread (max - min) / min must stay within `limit`. glibc's malloc gets a fixed mmap threshold, so that it maps
+    big blocks on their own and unmaps them when freed: otherwise the resident set moves up and down by tens of MB
+    with what it happens to keep. Prints mem_mb every `every` iterations; returns the verdict."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     with tempfile.TemporaryDirectory() as out_dir:
         mem = [m["mem_mb"] for m in run_train(args, out_dir, env, n_layer=2, n_head=2, n_embd=64, prompts_per_step=4,
                                               num_generations=4, micro_batch_size=16, eval_interval=50,
-                                              save_interval=50, max_iters=iters, keep_freed_memory=False)]
+                                              save_interval=50, max_iters=iters)]
     for i in sorted({*range(0, iters, every), iters - 1}):
         print(f"iter {i:4d}  mem_mb {mem[i]:.1f}")
     low, high = min(mem[warmup:]), max(mem[warmup:])
@@ -580,7 +577,6 @@ def soak(args, iters=200, every=20, warmup=40, limit=0.02):
 
 def main():
     args = get_args()
-    keep_freed(args.device)  # as train.py: what is timed here is what the trainer runs
     if args.soak:
         sys.exit(0 if soak(args) else 1)
     model = build_model(args)

@@ -1,14 +1,12 @@
 """
 Measuring the machine: wall time per phase, memory, the matmul peak that MFU is a fraction of, and the progress
-lines of long phases; and the one setting of the machine's C library that CPU speed needs (keep_freed).
+lines of long phases.
 
 train.py logs with these and bench.py builds its numbers on them; the model and the loss never need them.
 """
-import ctypes
 import functools
 import os
 import resource
-import sys
 import time
 
 import torch
@@ -65,24 +63,6 @@ def matmul_peak(device, dtype=torch.float32, repeat=5):
         n *= 2
     seconds = timed(lambda: a @ b, device, repeat=repeat)
     return 2 * n**3 / seconds, f"{n}x{n} {dtype}".replace('torch.', '')
-
-
-def keep_freed(device):
-    """On a CPU device, have the C library keep freed memory in the process for the next tensors, as PyTorch's
-    caching allocator does on a GPU, instead of handing it back. glibc's malloc gives every block over 32 MB (the
-    output layer's chunks of logits, its weight gradient) a mapping of its own and unmaps it when freed, so the next
-    one of that size pays a page fault per 4 KB page when first written: measured, a fifth of a training step at
-    bench.py's default shape. The price: the resident memory (memory_mb) stays at its high-water mark, which
-    fragmentation raises (7-17% in train.py at that shape). Not for a GPU run, whose host memory would keep what
-    loading a checkpoint once needed. Linux with glibc only; elsewhere nothing changes."""
-    if torch.device(device).type != 'cpu' or not sys.platform.startswith('linux'):
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library; musl has no mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(-4, 0)  # M_MMAP_MAX: no block gets a mapping of its own, every one comes from the heap
-    mallopt(-1, -1)  # M_TRIM_THRESHOLD: -1, the heap's free top is never handed back
 
 
 def memory_mb(device):

@@ -36,7 +36,7 @@ from configurator import check_config, check_device, configure
 from data import default_reward, load_dataset
 from evaluate import evaluate
 from loss import entropy_threshold, grpo_loss
-from measure import hms, keep_freed, lap, matmul_peak, memory_mb
+from measure import hms, lap, matmul_peak, memory_mb
 from model import GPT, GPTConfig
 from parallelism import full, gathered
 from tokenizer import check_template, get_tokenizer, stop_ids
@@ -149,8 +149,6 @@ device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = 'float32'  # 'float32', 'float64' (exactness tests), 'bfloat16'/'float16' (autocast)
 compile = False
 cuda_graphs = False  # on CUDA, replay generate's decode steps as CUDA graphs (engine.py): no host overhead per token
-keep_freed_memory = True  # CPU: freed tensors' memory is kept for the next ones, not handed back (measure.py's
-# keep_freed): a training step in ~0.85 of the time; the resident memory stays at its high-water mark
 gradient_checkpointing = False  # recompute each block in backward: activations of one block, not all; and the
 # output layer's logits, which are otherwise kept from forward (vocab x 4 bytes per completion token)
 seed = 1337
@@ -221,8 +219,6 @@ loss_config = {k: config[k] for k in inspect.signature(grpo_loss).parameters if 
 loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL is in the reward instead
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
-if keep_freed_memory:
-    keep_freed(device)  # CPU: the next chunk of logits reuses the last one's pages
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)

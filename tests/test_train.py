@@ -190,27 +190,6 @@ def test_nothing_imports_bench():
             assert 'bench' not in names, f
 
 
-@pytest.mark.skipif(not sys.platform.startswith('linux'), reason="glibc's malloc settings")
-@pytest.mark.parametrize('device', [None, 'cpu', 'cuda'])
-def test_keep_freed(device):
-    """measure.keep_freed(device), which train.py and bench.py call: for a CPU device a freed 256 MB tensor's
-    pages stay resident and the next tensor of that size reuses them (the resident memory does not grow again),
-    where by default (no call, or a GPU device) glibc hands them back at once. In a fresh process: the setting is
-    the process's."""
-    code = ("import measure, torch\n" + (f"measure.keep_freed({device!r})\n" if device else "") +
-            "base = measure.memory_mb('cpu')\n"
-            "for _ in range(2):\n"
-            "    x = torch.ones(2**26)\n"  # float32: 256 MB, written
-            "    del x\n"
-            "    print(measure.memory_mb('cpu') - base)\n")
-    grown = [float(v) for v in subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,
-                                              text=True, check=True).stdout.split()]
-    if device == 'cpu':
-        assert grown[0] > 250 and abs(grown[1] - grown[0]) < 16, grown
-    else:
-        assert grown[0] < 16 and grown[1] < 16, grown
-
-
 def packing_case(case):
     """(idx, start, need, size) of test_micro_batches...: rows of their own prompts; groups of rows sharing one; and
     two groups laid out in one sequence, a prompt's second row after the other prompt's tokens."""
