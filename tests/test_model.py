@@ -330,7 +330,7 @@ def test_chunked_entropy_matches_full_softmax(dtype):
 @pytest.mark.parametrize("keep", [False, True])
 def test_chunked_entropy_gradient(dtype, used, keep):
     """d sum(a * logp + b * entropy) / d h, weight; an output the loss leaves out gets no gradient (None). Backward
-    from the log-softmax forward kept (keep) gives exactly what it gives recomputing it."""
+    from the logits forward kept (keep) gives exactly what it gives recomputing them."""
     h, weight, targets = head_inputs(getattr(torch, dtype))
     a, b = torch.randn(2, 23, dtype=h.dtype, generator=torch.Generator().manual_seed(1))
 
@@ -382,7 +382,7 @@ def test_logprobs_entropy_match_brute_force_with_chunks_and_grad(monkeypatch):
         assert torch.equal(model.logprobs(idx, start, length, 0.7), lp)  # entropy=False: one tensor, the same
     model.gradient_checkpointing = True
     model(idx, start, length, 0.7, entropy=True)
-    # the log-softmax is kept for backward in the training forward, not without grad nor when checkpointing
+    # the logits are kept for backward in the training forward, not without grad nor when checkpointing
     assert keeps == [True, False, False]
 
 def test_logprobs_with_lengths_computes_only_the_positions_that_count():
