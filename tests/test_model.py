@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import engine
-from model import GPT, GPTConfig, HeadLogprobs
+from model import GPT, GPTConfig, HeadLogprobs, _buffers
 from sampling import sample
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gpt2-a")
@@ -350,6 +350,28 @@ def test_chunked_entropy_gradient(dtype, used, keep):
         again = torch.autograd.grad(loss(*HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, True)), (h, weight))
         twice = torch.autograd.grad(loss(*out), (h, weight))
         assert all(torch.equal(g, x) and torch.equal(g, y) for g, x, y in zip(grads, again, twice))
+
+def test_head_chunks_reuse_buffers_no_live_tensor_holds():
+    """On CPU the output layer writes its (n, V) chunks into kept buffers: a second identical call takes the first
+    call's buffers (none added) and gives the same numbers, and a buffer whose logits a live graph keeps is never
+    handed out, so that graph's backward after other calls still reads its own logits."""
+    h, weight, targets = head_inputs(torch.float32, V=41)  # a vocabulary no other test uses: buffers of its own
+    mine = lambda: sum(b.shape == (5, 41) for b in _buffers)
+
+    def call(keep=True):
+        lp, ent = HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, True, keep)  # five chunks of 5 rows
+        return lp, ent, torch.autograd.grad(lp.sum() + ent.sum(), (h, weight))
+
+    with torch.inference_mode():  # as rollout's log-prob pass: buffers it makes are written outside it later
+        HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, True, False)
+    first = call()
+    used = mine()  # five chunks' logits kept, forward's log-softmax and exp, backward's reusing those two
+    assert used == 7 and all(torch.equal(a, b) for a, b in zip(first[2], call()[2])) and mine() == used
+    held = HeadLogprobs.apply(h, weight, targets, 0.7, 5, h.dtype, True, True)  # keeps five buffers till backward
+    for keep in (True, False):
+        assert all(torch.equal(a, b) for a, b in zip(first, call(keep)[:2]))
+    again = torch.autograd.grad(held[0].sum() + held[1].sum(), (h, weight))
+    assert mine() == used + 5 and all(torch.equal(a, b) for a, b in zip(first[2], again))
 
 def brute_logprobs_entropy(model, idx, start, length, temperature):
     """Every position's full log-softmax in the model's dtype: (B, length) target log-probs and entropies."""
