@@ -240,8 +240,9 @@ def naive_seconds(model, args, prompts):
     return sum(step) / len(step) * args.new_tokens
 
 def matmul_share(args):
-    """Run in a fresh process (a profiler run leaves state that inflates later processes' memory peaks): share of a
-    whole generate call's wall time spent inside matmul kernels, from the profiler."""
+    """Run in a fresh process (a profiler run leaves state that inflates later processes' memory peaks): shares of a
+    whole generate call's wall time spent inside matmul kernels and inside attention over the cache (SDPA: two
+    matmuls a head, whose FLOPs decode MFU counts, but bound by reading the cache), from the profiler."""
     model, prompts = build_model(args), make_prompts(args)
     generate(model, args, prompts, args.new_tokens)  # warm-up
     activity = torch.profiler.ProfilerActivity
@@ -249,9 +250,10 @@ def matmul_share(args):
     # on CUDA an aten op's device time is that of the kernels it launched
     with torch.profiler.profile(activities=[activity.CPU] + [activity.CUDA] * cuda) as prof:
         seconds = timed(lambda: generate(model, args, prompts, args.new_tokens), args.device, 1, warmup=0)
-    matmul_us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in prof.key_averages()
-                    if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
-    return matmul_us / 1e6 / seconds
+    us = lambda keep: sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in prof.key_averages()
+                          if keep(e.key))
+    return (us(lambda k: k in ("aten::mm", "aten::addmm", "aten::bmm")) / 1e6 / seconds,
+            us(lambda k: k.startswith("aten::_scaled_dot_product")) / 1e6 / seconds)
 
 def decode_overhead(args, T):
     """Seconds of host overhead (Python, dispatch, kernel launches) per decode step: the step time of a model with
@@ -279,7 +281,7 @@ def bench_sampling(args, model, results):
                                    generated_tokens_per_s=rows * T / total, decode_tokens_per_s=rows * (T - 1) / decode)
     r["decode_mfu"] = decode_flops(model, args, args.prompt_len, T) / decode / (results["peak"]["tflops"] * 1e12)
     r["decode_vs_head64"] = r["decode_mfu"] * results["peak"]["tflops"] / results["peak"]["head64_tflops"]
-    r["decode_matmul_share"] = in_fresh_process(matmul_share, args)
+    r["decode_matmul_share"], r["decode_attention_share"] = in_fresh_process(matmul_share, args)
     r["naive_ms"] = naive * 1e3
     r["decode_overhead_share"] = decode_overhead(args, T) / (decode / (T - 1))
     r["peak_mb"] = in_fresh_process(sampling_peak, args) / 2**20
