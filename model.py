@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import engine
 import hf
+from head import HeadLogprobs
 from sampling import sample
 
 class RMSNorm(nn.Module):
@@ -346,99 +347,3 @@ class GPT(nn.Module):
         sd = self.state_dict() if state_dict is None else state_dict  # LoRA adapters go to lora.save_adapter
         hf.save_weights(path, self.config, {k: v for k, v in sd.items() if ".lora_" not in k}, max_shard_size)
         hf.write_config(path, self.config, self.lm_head.weight.dtype)
-
-_buffers = []  # CPU: HeadLogprobs' (rows, V) buffers, each reused once no other tensor holds it (see _scratch)
-
-def _scratch(rows, shape, dtype, device):
-    """An uninitialised tensor of shape (n, V), n <= rows, to write a chunk into. On CPU a view of a kept (rows, V)
-    buffer that no live tensor shares: glibc maps each block over 32 MB afresh and unmaps it when freed, so a fresh
-    chunk would page-fault on its first write (a softmax into a fresh 268 MB tensor takes 147 ms, into a written one
-    42 ms). Kept until the process ends: as many as were in use at once, four (1 GB) in bench.py's training step."""
-    if device.type != "cpu" or torch.compiler.is_compiling():
-        return torch.empty(shape, dtype=dtype, device=device)
-    for buf in _buffers:  # a view holds its buffer, so a use count of 1 (this list's) means nothing reads it
-        if buf.shape == (rows, shape[1]) and buf.dtype == dtype and buf._use_count() == 1:
-            return buf[:shape[0]]
-    with torch.inference_mode(False):  # one made in rollout's inference mode could not be written outside it
-        _buffers.append(torch.empty(rows, shape[1], dtype=dtype))
-    return _buffers[-1][:shape[0]]
-
-def _cast(x, dtype, rows):
-    """x (n, V) in dtype, copied into a scratch buffer if it is not in dtype already."""
-    return x if x.dtype == dtype else _scratch(rows, x.shape, dtype, x.device).copy_(x)
-
-class HeadLogprobs(torch.autograd.Function):
-    """out[i] = log softmax(h[i] @ weight.T / temperature)[targets[i]] for h (n, C): the output layer and its
-    log-softmax, rows chunks of rows at a time, the matmuls in dtype, the softmax in float32. Backward takes each
-    chunk's logits from forward when keep (V x 4 bytes more a position, until backward; a training step of bench.py's
-    default shape in 0.87 of the time) or, to save that memory, recomputes them from h, the same numbers either way,
-    then d out[i] / d logits[i] = onehot(targets[i]) - softmax, and adds the chunk's weight gradient into one (V, C)
-    buffer in place, where autograd through chunks would make a fresh (V, C) gradient per chunk and sum them (1.2x
-    slower here on Qwen's 151,936-token vocabulary).
-    With entropy=True it also returns the entropy H[i] = -sum_j p_j log p_j of the same p = softmax(z), z = logits /
-    temperature, from the same chunks, as (out, H); backward then adds dH / dz_j = -p_j (log p_j + H)."""
-
-    @staticmethod
-    def _logits(h, w, temperature, rows):  # w: the weight already in the matmuls' dtype, cast once per pass
-        # (n, V) at least float32, even under autocast: the normaliser needs it (a float64 model keeps float64)
-        logits = torch.mm(h.to(w.dtype), w.t(), out=_scratch(rows, (len(h), len(w)), w.dtype, h.device))
-        logits = _cast(logits, torch.promote_types(w.dtype, torch.float32), rows)
-        return logits.div_(temperature) if temperature != 1 else logits
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, temperature, rows, dtype, entropy=False, keep=False):
-        ctx.args = temperature, rows, dtype
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: backward skips its term
-        w = weight.to(dtype)
-        out, ent, kept = [], [], []
-        for i in range(0, max(len(h), 1), rows):  # one empty chunk when no position counts
-            logits = HeadLogprobs._logits(h[i:i + rows], w, temperature, rows)  # (n, V)
-            logp = torch.log_softmax(logits, -1, out=_scratch(rows, logits.shape, logits.dtype, h.device))  # (n, V)
-            out.append(logp.gather(1, targets[i:i + rows, None]).squeeze(1))
-            if entropy:  # (n,) -sum_j p_j log p_j, p (n, V) in a buffer free again after this line
-                p = torch.exp(logp, out=_scratch(rows, logp.shape, logp.dtype, h.device))
-                ent.append(p.mul_(logp).sum(-1).neg_())
-                del p
-            if keep:
-                kept.append(logits)
-            del logits, logp  # the next chunk can take logp's buffer (and logits' unless kept)
-        out, ent = torch.cat(out), torch.cat(ent) if entropy else None
-        ctx.save_for_backward(h, weight, targets, ent, *kept)  # H (n,) is cheap to keep and backward needs it
-        return (out, ent) if entropy else out
-
-    @staticmethod
-    def backward(ctx, grad, grad_ent=None):
-        # ent: H (n,), or None when forward did not compute it; kept: each chunk's logits, or none
-        h, weight, targets, ent, *kept = ctx.saved_tensors
-        temperature, rows, dtype = ctx.args
-        if grad is None and grad_ent is None:
-            return None, None, None, None, None, None, None, None
-        grad_h, grad_w = torch.empty_like(h), torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        w = weight.to(dtype)
-        for c, i in enumerate(range(0, len(h), rows)):
-            hc, sl = h[i:i + rows], slice(i, i + rows)  # (n, C)
-            g = None if grad is None else grad[sl, None] / temperature  # (n, 1); / temperature: dz/dlogits
-            # (n, V), never changed: forward's, or recomputed and then dropped as soon as read (a recompute holds
-            # at most two (n, V) float32 tensors at a time)
-            logits = kept[c] if kept else HeadLogprobs._logits(hc, w, temperature, rows)
-            buf = _scratch(rows, logits.shape, logits.dtype, h.device)
-            if grad_ent is None:
-                d = torch.softmax(logits, -1, out=buf).mul_(-g)  # (n, V) -p g
-                del logits
-            else:  # the log-prob's -p g plus g_H dH/dz = -p g_H (log p + H), as p (-g_H log p - (g + g_H H))
-                gh = grad_ent[sl, None] / temperature  # (n, 1)
-                logp = torch.log_softmax(logits, -1, out=buf)  # (n, V)
-                del logits
-                p = torch.exp(logp, out=_scratch(rows, logp.shape, logp.dtype, h.device))  # (n, V)
-                d = logp.mul_(-gh).sub_(gh * ent[sl, None] + (0 if g is None else g)).mul_(p)  # (n, V) in place
-                del p  # before the matmuls: at most two (n, V) float32 tensors at a time, as without entropy
-            if g is not None:
-                d = d.scatter_add_(1, targets[sl, None], g)  # + onehot(target) g
-            d = _cast(d, dtype, rows)  # (n, V) gradient of the chunk's logits
-            grad_h[sl] = d @ w
-            if grad_w is not None and dtype == grad_w.dtype:
-                grad_w.addmm_(d.t(), hc)
-            elif grad_w is not None:  # autocast: in dtype, as an autocast Linear's weight gradient, summed in float32
-                grad_w += d.t() @ hc.to(dtype)
-            del d  # the next chunk can take its buffer
-        return grad_h, grad_w, None, None, None, None, None, None

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import engine
-from model import GPT, GPTConfig, HeadLogprobs, _buffers
+from head import HeadLogprobs, _buffers
+from model import GPT, GPTConfig
 from sampling import sample
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gpt2-a")
