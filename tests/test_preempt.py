@@ -31,9 +31,16 @@ def iterations(out_dir):
     return sum(1 for _ in open(path)) if os.path.exists(path) else 0
 
 
+def launch(command):
+    """Run a torchrun command to its end; a failure shows the end of its stderr (torchrun's own exit code says
+    nothing of the cause)."""
+    p = subprocess.run(TORCHRUN + command, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-4000:]
+
+
 def test_sigterm_checkpoints_and_the_printed_command_resumes_bitwise(tmp_path):
     straight = tmp_path / 'straight'
-    subprocess.run(TORCHRUN + ARGS + [f'--out_dir={straight}'], cwd=ROOT, env=ENV, check=True, capture_output=True)
+    launch(ARGS + [f'--out_dir={straight}'])
     stopped = tmp_path / 'stopped'
     p = subprocess.Popen(TORCHRUN + ARGS + [f'--out_dir={stopped}'], cwd=ROOT, env=ENV, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -50,7 +57,7 @@ def test_sigterm_checkpoints_and_the_printed_command_resumes_bitwise(tmp_path):
     assert json.load(open(stopped / 'latest')) == f'ckpt-{it:06d}'
     command = shlex.split(lines[at + 1])
     assert command[:3] == ['torchrun', '--standalone', '--nproc_per_node=2'] and command[-1] == '--init_from=resume'
-    subprocess.run(TORCHRUN + command[3:], cwd=ROOT, env=ENV, check=True, capture_output=True)
+    launch(command[3:])
     a, b = weights(straight), weights(stopped)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)  # bitwise
     assert json.load(open(stopped / 'latest')) == 'ckpt-000040'
