@@ -401,7 +401,7 @@ def stop_if_signalled(it):
     if master and wandb_log:
         wandb.finish()
     if distributed:
-        dist.destroy_process_group()
+        parallelism.end(128 + sig.item())
     raise SystemExit(128 + sig.item())
 
 
@@ -506,4 +506,4 @@ for it in range(iter_start, max_iters + 1):
 if master and wandb_log:
     wandb.finish()
 if distributed:
-    dist.destroy_process_group()
+    parallelism.end()

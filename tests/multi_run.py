@@ -17,12 +17,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-destroy = dist.destroy_process_group
-if 'RANK' in os.environ:  # train.py's own init/destroy become no-ops on the group made here
-    dist.init_process_group(backend='gloo')
-    dist.init_process_group = dist.destroy_process_group = lambda *args, **kwargs: None
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, root)
+import parallelism  # noqa: E402 (the root is on the path only now)
+
+end = parallelism.end
+if 'RANK' in os.environ:  # train.py's own init and end become no-ops on the group made here
+    dist.init_process_group(backend='gloo')
+    dist.init_process_group = parallelism.end = lambda *args, **kwargs: None
 for run in json.load(open(sys.argv[1])):
     args = run['args'] if isinstance(run, dict) else run
     if isinstance(run, dict) and run.get('diverge') and os.environ.get('RANK') == '1':
@@ -37,12 +39,4 @@ for run in json.load(open(sys.argv[1])):
     sys.argv = [os.path.join(root, 'train.py'), *args]
     runpy.run_path(sys.argv[0], run_name='__main__')
 if 'RANK' in os.environ:
-    destroy()  # a group left to the interpreter's exit can abort the process
-    # and so can the last collective (train.py's barrier after a save) even once the group is destroyed: a gloo worker
-    # thread frees that finished work only after waking this thread, and the free takes the GIL; if the interpreter is
-    # shutting down by then, the thread is killed inside the destructor and the rank aborts ("terminate called without
-    # an active exception", SIGABRT; torch 2.13, pytorch/pytorch#190489). A stress loop of these launches hit it in
-    # about 1 of 300 (1 of 20 for a bare DDP script). Everything is written (files closed), so skip that shutdown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end()  # the group made here; parallelism.end says why the process skips the interpreter's shutdown
