@@ -22,9 +22,13 @@ def _scratch(rows, shape, dtype, device):
         _buffers.append(torch.empty(rows, shape[1], dtype=dtype))
     return _buffers[-1][:shape[0]]
 
+def _like(x, rows, dtype=None):
+    """A scratch buffer shaped like x (n, V), in x's dtype or dtype."""
+    return _scratch(rows, x.shape, dtype or x.dtype, x.device)
+
 def _cast(x, dtype, rows):
     """x (n, V) in dtype, copied into a scratch buffer if it is not in dtype already."""
-    return x if x.dtype == dtype else _scratch(rows, x.shape, dtype, x.device).copy_(x)
+    return x if x.dtype == dtype else _like(x, rows, dtype).copy_(x)
 
 class HeadLogprobs(torch.autograd.Function):
     """out[i] = log softmax(h[i] @ weight.T / temperature)[targets[i]] for h (n, C): the output layer and its
@@ -52,12 +56,10 @@ class HeadLogprobs(torch.autograd.Function):
         out, ent, kept = [], [], []
         for i in range(0, max(len(h), 1), rows):  # one empty chunk when no position counts
             logits = HeadLogprobs._logits(h[i:i + rows], w, temperature, rows)  # (n, V)
-            logp = torch.log_softmax(logits, -1, out=_scratch(rows, logits.shape, logits.dtype, h.device))  # (n, V)
+            logp = torch.log_softmax(logits, -1, out=_like(logits, rows))  # (n, V)
             out.append(logp.gather(1, targets[i:i + rows, None]).squeeze(1))
             if entropy:  # (n,) -sum_j p_j log p_j, p (n, V) in a buffer free again after this line
-                p = torch.exp(logp, out=_scratch(rows, logp.shape, logp.dtype, h.device))
-                ent.append(p.mul_(logp).sum(-1).neg_())
-                del p
+                ent.append(torch.exp(logp, out=_like(logp, rows)).mul_(logp).sum(-1).neg_())
             if keep:
                 kept.append(logits)
             del logits, logp  # the next chunk can take logp's buffer (and logits' unless kept)
@@ -80,7 +82,7 @@ class HeadLogprobs(torch.autograd.Function):
             # (n, V), never changed: forward's, or recomputed and then dropped as soon as read (a recompute holds
             # at most two (n, V) float32 tensors at a time)
             logits = kept[c] if kept else HeadLogprobs._logits(hc, w, temperature, rows)
-            buf = _scratch(rows, logits.shape, logits.dtype, h.device)
+            buf = _like(logits, rows)
             if grad_ent is None:
                 d = torch.softmax(logits, -1, out=buf).mul_(-g)  # (n, V) -p g
                 del logits
@@ -88,7 +90,7 @@ class HeadLogprobs(torch.autograd.Function):
                 gh = grad_ent[sl, None] / temperature  # (n, 1)
                 logp = torch.log_softmax(logits, -1, out=buf)  # (n, V)
                 del logits
-                p = torch.exp(logp, out=_scratch(rows, logp.shape, logp.dtype, h.device))  # (n, V)
+                p = torch.exp(logp, out=_like(logp, rows))  # (n, V)
                 d = logp.mul_(-gh).sub_(gh * ent[sl, None] + (0 if g is None else g)).mul_(p)  # (n, V) in place
                 del p  # before the matmuls: at most two (n, V) float32 tensors at a time, as without entropy
             if g is not None:
