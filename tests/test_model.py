@@ -199,6 +199,25 @@ def test_decode_graphs_under_autocast_read_half_copies_of_the_weights(tiny):
         torch.testing.assert_close(replay()[1], torch.full_like(lp, -math.log(model.config.vocab_size)))
 
 
+def test_compiled_decode_replayed_under_autocast_samples_the_same():
+    """train.py's compile with cuda_graphs under autocast: the compiled decode step, called through functional_call
+    on the bf16 copies of the weights (engine._step) and captured once per (rows, width). On CPU the captured step
+    is called, not replayed, and dynamo's eager backend traces without codegen: the same samples as the uncompiled
+    step, bit for bit, and one trace for two calls of 16 steps, not one per step or per call."""
+    gen = lambda: torch.Generator().manual_seed(0)
+    models = GPT.from_pretrained(FIXTURE).eval(), GPT.from_pretrained(FIXTURE).eval()
+    for m in models:
+        m.decode_graphs = True
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    models[1].decode = torch.compile(models[1].decode, fullgraph=True, backend="eager")
+    for _ in range(2):
+        with torch.autocast("cpu", torch.bfloat16):
+            want, got = [m.generate(PROMPTS, 16, num_samples=2, generator=gen()) for m in models]
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert "model.lm_head.weight" in engine._CACHES[models[1]]["half"]  # the copies were what the step read
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
 def test_the_cache_and_its_graphs_let_the_model_go():
     model = GPT.from_pretrained(FIXTURE).eval()
     model.decode_graphs = True
