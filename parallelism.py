@@ -1,9 +1,10 @@
 """
 Data parallelism on PyTorch's own engine: DDP (every rank holds the whole model and optimizer) or FSDP2
 (`fully_shard`: every rank holds 1/world_size of each parameter, gradient and AdamW moment, and gathers a block's
-weights just before it runs). The loop is the same for both; this file holds the few places where they differ:
-wrapping, switching the gradient sync off between micro-batches, gathering the weights for a rollout, and reading
-the sharded weights and optimizer state out for a checkpoint (and back in on resume).
+weights just before it runs). The loop is the same for both; this file holds the process group (joined and left)
+and the few places where they differ: wrapping, switching the gradient sync off between micro-batches, gathering the
+weights for a rollout, and reading the sharded weights and optimizer state out for a checkpoint (and back in on
+resume).
 """
 import os
 import sys
@@ -140,6 +141,19 @@ def resident_mb(model, optimizer, ref_model=None):
     return {'mem/params_mb': size(params), 'mem/grads_mb': size(p for p in params if p.requires_grad),
             'mem/optimizer_mb': size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
             'mem/ref_mb': ref}
+
+
+def init(device):
+    """Under torchrun (RANK set), join the process group, gloo on the CPU, nccl for CUDA tensors (with gloo for the
+    small CPU ones), and take this rank's GPU. Returns (distributed, rank, world_size, device)."""
+    if int(os.environ.get('RANK', -1)) == -1:
+        return False, 0, 1, device
+    use_cuda = torch.cuda.is_available() and device != 'cpu'
+    dist.init_process_group(backend='cpu:gloo,cuda:nccl' if use_cuda else 'gloo')
+    if use_cuda:
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+    return True, dist.get_rank(), dist.get_world_size(), device
 
 
 def barrier():

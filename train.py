@@ -166,16 +166,7 @@ globals().update(config)
 check_device(device)
 # -----------------------------------------------------------------------------
 
-distributed = int(os.environ.get('RANK', -1)) != -1  # launched by torchrun, DDP or FSDP
-if distributed:
-    use_cuda = torch.cuda.is_available() and device != 'cpu'
-    dist.init_process_group(backend='cpu:gloo,cuda:nccl' if use_cuda else 'gloo')  # small CPU tensors via gloo
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if use_cuda:
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-        torch.cuda.set_device(device)
-else:
-    rank, world_size = 0, 1
+distributed, rank, world_size, device = parallelism.init(device)  # under torchrun: DDP or FSDP
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
 # preemption: SIGTERM (what SLURM and Kubernetes send before a kill) or Ctrl-C asks for a checkpoint at the next
