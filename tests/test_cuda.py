@@ -4,7 +4,7 @@ The CUDA code paths, which CI (no GPU) skips: on a machine with one, `python -m 
 against what transformers computed, the cached decode against full recomputation, a decode step replayed as a
 CUDA graph against the step itself, generate with engine.py's graphs against without, and a Qwen recipe as
 written (bf16 autocast, torch.compile, activation checkpointing) with CUDA graphs for two iterations of train.py,
-then under FSDP on one GPU.
+then under FSDP on one GPU, without and with CUDA graphs.
 """
 import os
 import sys
@@ -125,3 +125,18 @@ def test_qwen_recipe_under_fsdp_on_cuda(tmp_path):
         launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"))
     rows = [m for m in metrics(out) if "reward" in m]
     assert [m["iter"] for m in rows] == [0, 1] and all(m["mfu"] > 0 and m["kl"] > -1e-6 for m in rows)
+
+
+def test_cuda_graphs_under_fsdp_on_cuda(tmp_path):
+    """cuda_graphs=True under FSDP (eager, to tell its failures from compile's): every generate call gathers the
+    weights, perhaps into new memory, which drops the graphs (README, Performance), and the replayed steps run
+    inside FSDP's hooks around each block. Evaluations before and after two iterations: four generate calls."""
+    fixtures = os.path.join(ROOT, "tests", "fixtures")
+    out = tmp_path / "out"
+    run(["config/qwen_countdown.py", "--max_iters=2", f"--init_from={fixtures}/tiny-qwen2-a", "--block_size=256",
+         f"--tokenizer={fixtures}/tiny-bpe-a", "--eval_interval=2", "--device=cuda", "--parallel=fsdp",
+         "--cuda_graphs=True", "--compile=False", "--task=countdown", "--task_options={'count': (3,)}"], out,
+        launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"))
+    rows = [m for m in metrics(out) if "reward" in m]
+    assert [m["iter"] for m in rows] == [0, 1] and all(m["mfu"] > 0 for m in rows)
+    assert [m["iter"] for m in metrics(out) if "eval/greedy_acc" in m] == [0, 2]
