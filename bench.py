@@ -54,6 +54,8 @@ PRESETS = {
                        qkv_bias=True),
     "qwen3-0.6b": dict(QWEN, model_type="qwen3", n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_dim=128,
                        n_inner=3072, qk_norm=True),
+    "smollm2-135m": dict(model_type="llama", n_layer=30, n_head=9, n_kv_head=3, n_embd=576, n_inner=1536,
+                         vocab_size=49152, bias=False, rope_theta=100000.0),  # config/smollm2.py's model
     "llama-3.2-1b": dict(model_type="llama", n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, n_inner=8192,
                          vocab_size=128256, bias=False, rope_theta=500000.0, rope_scaling=dict(
                              factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -93,7 +93,7 @@ def check_config(c, world_size):
                    kl_estimator=('k1', 'k2', 'k3'), sampler_correction=SAMPLER_CORRECTIONS,
                    advantage_estimator=ADVANTAGE_ESTIMATORS,
                    multi_objective_aggregation=('sum_then_normalize', 'normalize_then_sum'),
-                   lr_schedule=('constant', 'cosine'), dtype=('float32', 'float64', 'bfloat16', 'float16'),
+                   lr_schedule=('constant', 'cosine'), dtype=('auto', 'float32', 'float64', 'bfloat16', 'float16'),
                    parallel=('ddp', 'fsdp'))
     for key, valid in choices.items():
         need(c[key] in valid, f"unknown {key} '{c[key]}'; choose one of {', '.join(valid)}")
@@ -167,8 +167,11 @@ def check_config(c, world_size):
     need(c['top_p'] is None or 0 < c['top_p'] <= 1, "top_p must be None or in (0, 1]")
     need(c['learning_rate'] > 0 and math.isfinite(c['learning_rate']),
          f"learning_rate={c['learning_rate']} must be a positive number")
-    need(c['init_from'] in ('scratch', 'resume') or os.path.isdir(c['init_from']),
-         f"init_from='{c['init_from']}' is neither 'scratch', 'resume' nor a Hugging Face checkpoint directory")
+    gguf = c['init_from'].endswith('.gguf')
+    need(c['init_from'] in ('scratch', 'resume') or os.path.isdir(c['init_from']) or gguf,
+         f"init_from='{c['init_from']}' is neither 'scratch', 'resume', a Hugging Face checkpoint directory nor a "
+         f".gguf file")
+    need(not gguf or os.path.isfile(c['init_from']), f"init_from='{c['init_from']}': no such .gguf file")
     need(c['init_from'] != 'resume' or os.path.exists(os.path.join(c['out_dir'], 'latest')),
          f"init_from='resume' but {c['out_dir']} holds no checkpoint; start with init_from='scratch'")
     need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] != 0,  # None: 400 from scratch

@@ -92,7 +92,21 @@ def countdown(count=(3, 4), max_number=99, max_target=100):
         return {"prompt": prompt, "answer": answer, "numbers": numbers, "target": target}
     return len(count) * max_number ** max(count), problem
 
-TASKS = {"addition": addition, "sort": sort, "countdown": countdown}
+TIMES_QUESTIONS = ("What is {a} times {b}?", "What is {a} * {b}?", "Multiply {a} by {b}.",
+                  "What is the product of {a} and {b}?")
+
+def times_table(max_factor=12):
+    """'What is 7 times 8?' -> '56': the times table from 2 x 2 to max_factor x max_factor, each product asked in the
+    four ways of TIMES_QUESTIONS, for a chat model to answer in its own words (config/smollm2.py; the reward reads
+    the last number of the answer)."""
+    n = max_factor - 1
+    def problem(i):
+        a, b = divmod(i // len(TIMES_QUESTIONS), n)
+        question = TIMES_QUESTIONS[i % len(TIMES_QUESTIONS)]
+        return {"prompt": question.format(a=a + 2, b=b + 2), "answer": str((a + 2) * (b + 2))}
+    return len(TIMES_QUESTIONS) * n * n, problem
+
+TASKS = {"addition": addition, "sort": sort, "countdown": countdown, "times_table": times_table}
 
 def _task_rows(name, split, seed, size, options):
     """Up to `size` distinct problems of task `name` from `split`, drawn with `seed`."""

@@ -45,9 +45,12 @@ def read_json(file, missing, fix):
 def read_config(path):
     """(GPTConfig fields, the checkpoint's dtype) from path/config.json, either transformers' 4 or 5 layout."""
     file = os.path.join(path, "config.json")
-    hf = read_json(file, "from_pretrained needs a Hugging Face model directory with config.json and "
-                         "model.safetensors (or model.safetensors.index.json and its shards)",
-                   "restore it from the model's original files")
+    return parse_config(read_json(file, "from_pretrained needs a Hugging Face model directory with config.json and "
+                                        "model.safetensors (or model.safetensors.index.json and its shards), or a "
+                                        ".gguf file", "restore it from the model's original files"), file)
+
+def parse_config(hf, file):
+    """read_config's result for the config.json dict hf (read from file, or what gguf_file makes of a GGUF)."""
     kind = hf.get("model_type")
     if kind == "gpt2":
         fields = _gpt2_config(hf, file)
@@ -204,13 +207,17 @@ def _tensors(files, index, weight_map):
             raise ValueError(f"{index} maps tensor {name!r} to {shard}, which does not hold it: the index and the "
                              f"shards disagree; download the checkpoint's files again")
 
-def load_weights(path, cfg, ours):
+def load_weights(path, cfg, ours, tensors=None):
     """Copy the checkpoint at path into ours, a state dict of a model of config cfg (its tensors share the
-    parameters' storage), checking that each tensor is there, once, with the shape the config implies."""
+    parameters' storage), checking that each tensor is there, once, with the shape the config implies. tensors:
+    (HF name, file, tensor) triples read from another format (gguf_file.read_model), instead of path's safetensors."""
     where = layout(cfg, {name: t.shape for name, t in ours.items()})
-    files, index, weight_map = _files(path)
+    source = path
+    if tensors is None:
+        files, index, weight_map = _files(path)
+        tensors, source = _tensors(files, index, weight_map), index or files[0]
     loaded, heads = set(), []
-    for key, file, t in _tensors(files, index, weight_map):
+    for key, file, t in tensors:
         name = key
         if cfg.model_type == "gpt2" and not key.startswith(("transformer.", "lm_head.")):
             name = "transformer." + key  # the original openai-community/gpt2 files have no prefix
@@ -232,7 +239,7 @@ def load_weights(path, cfg, ours):
         loaded.add(name)
     missing = sorted(set(where) - loaded)
     if missing:
-        raise ValueError(f"{index or files[0]}: missing tensor {missing[0]!r} ({len(missing)} missing in all); the "
+        raise ValueError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing in all); the "
                          f"checkpoint is incomplete: download or save it again")
     for file, head in heads:
         if not torch.equal(head.to(ours["lm_head.weight"].dtype), ours["lm_head.weight"]):

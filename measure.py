@@ -65,6 +65,16 @@ def matmul_peak(device, dtype=torch.float32, repeat=5):
     return 2 * n**3 / seconds, f"{n}x{n} {dtype}".replace('torch.', '')
 
 
+def fastest_dtype(device):
+    """What train.py's dtype='auto' computes in: 'bfloat16' (autocast) on a GPU that has it, and on a CPU whose
+    bf16 matmuls run at least twice as fast as its float32 ones (bf16 matrix units, e.g. Intel's AMX), else
+    'float32' (without such units a CPU runs bf16 matmuls many times slower)."""
+    if torch.device(device).type == 'cuda':
+        return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float32'
+    bf16, fp32 = (matmul_peak(device, dtype)[0] for dtype in (torch.bfloat16, torch.float32))
+    return 'bfloat16' if bf16 >= 2 * fp32 else 'float32'
+
+
 def memory_mb(device):
     """CUDA: the peak allocated since the last call. CPU: the resident memory now (peak where /proc is missing)."""
     if torch.device(device).type == 'cuda':

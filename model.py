@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import engine
+import gguf_file
 import hf
 from head import HeadLogprobs
 from sampling import sample
@@ -327,16 +328,23 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None):
-        """Load a Hugging Face checkpoint directory (GPT-2 or the Llama family; hf.py reads the format) in dtype
-        (default: the checkpoint's own; the weights are copied into parameters of that dtype, so a float64 checkpoint
-        loads exactly and a bf16 one upcasts exactly), then move it to device if given. device='meta': the model's
-        shape only, no weights read (FSDP's ranks but the first, which get their shards from it)."""
-        fields, own_dtype = hf.read_config(path)
+        """Load a Hugging Face checkpoint directory (GPT-2 or the Llama family; hf.py reads the format) or a .gguf
+        file (Llama, Qwen2, Qwen3; gguf_file.py dequantizes it to float32) in dtype (default: the checkpoint's own;
+        the weights are copied into parameters of that dtype, so a float64 checkpoint loads exactly and a bf16 one
+        upcasts exactly), then move it to device if given. device='meta': the model's shape only, no weights read
+        (FSDP's ranks but the first, which get their shards from it)."""
+        tensors = None
+        if str(path).endswith('.gguf'):
+            hf_config, tensors = gguf_file.read_model(path)
+            fields, own_dtype = hf.parse_config(hf_config, path)
+        else:
+            fields, own_dtype = hf.read_config(path)
         if device == 'meta':
             with torch.device('meta'):
                 return cls(GPTConfig(**fields)).to(dtype=dtype or own_dtype)
         model = cls(GPTConfig(**fields)).to(dtype=dtype or own_dtype)
-        hf.load_weights(path, model.config, model.state_dict())  # the state dict shares the parameters' storage
+        # the state dict shares the parameters' storage
+        hf.load_weights(path, model.config, model.state_dict(), tensors)
         return model.to(device=device)
 
     def save_pretrained(self, path, max_shard_size=5 * 2**30, state_dict=None):

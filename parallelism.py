@@ -156,6 +156,15 @@ def init(device):
     return True, dist.get_rank(), dist.get_world_size(), device
 
 
+def from_rank0(obj):
+    """Rank 0's obj on every rank (a small picklable value; the ranks' own one when not distributed)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()

@@ -27,9 +27,15 @@ import numpy as np
 import tiktoken
 from tiktoken.core import raise_disallowed_special_token
 
+import gguf_file
+
 # the pre-tokenizer regex of GPT-2's ByteLevel(use_regex=true)
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-SUPPORTED = "only byte-level BPE tokenizers (GPT-2, Qwen2/2.5/3, Llama-3 style) can be loaded"
+# Digits(individual_digits) then GPT-2's regex on the text between the digits (SmolLM, StarCoder) as one regex: a
+# digit is a piece alone, so no space joins it, and a whitespace run that ends at a digit ends its stretch of text,
+# where GPT-2's \s+(?!\S) takes the whole run
+DIGITS_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
+SUPPORTED = "only byte-level BPE tokenizers (GPT-2, SmolLM, Qwen2/2.5/3, Llama-3 style) can be loaded"
 
 def bytes_to_unicode():
     """GPT-2's table from a byte to the printable character that stands for it in vocab and merges strings:
@@ -73,6 +79,7 @@ class HFEncoding(tiktoken.Encoding):
         self._normalized = frozenset(t["content"] for t in plain if nfc and t["normalized"])
         eot = next((s for s in ("<|endoftext|>", "<|end_of_text|>") if s in specials), (specials or [None])[0])
         self._eot = self._special_tokens.get(eot)
+        self._lacks = bytes(b for b in range(256) if bytes([b]) not in ranks)  # single bytes the vocab lacks
 
     def __reduce__(self):  # tiktoken pickles its own constructor's arguments: these are ours
         return HFEncoding, (self.name, self._pat_str, self._mergeable_ranks, self._added_tokens, self._nfc)
@@ -105,8 +112,20 @@ class HFEncoding(tiktoken.Encoding):
                 continue
             piece = unicodedata.normalize("NFC", piece) if self._nfc else piece
             for j, p in enumerate(_split(piece, self._normalized)):
-                ids += [self._special_tokens[p]] if j % 2 else super().encode_ordinary(p)
+                ids += [self._special_tokens[p]] if j % 2 else self._bpe(p)
         return ids
+
+    def _bpe(self, text):
+        """tiktoken's encode_ordinary, but for a byte the vocab lacks (SmolLM2's lacks 21, six of them control
+        characters): HF's BPE without an unk_token drops it from its pre-token and merges what is left, where
+        tiktoken would fail. Such text takes this slower path, pre-token by pre-token."""
+        data = text.encode("utf-8", "surrogatepass")
+        if not self._lacks or len(data.translate(None, self._lacks)) == len(data):
+            return super().encode_ordinary(text)
+        import regex  # tiktoken's own dependency, the regex dialect of its patterns
+        pieces = (p.encode("utf-8", "surrogatepass").translate(None, self._lacks)
+                  for p in regex.findall(self._pat_str, text))
+        return [i for p in pieces if p for i in self._encode_single_piece(p)]
 
 def _hf_bpe(word, merge_rank):
     """HF's BPE of one pre-token: merge the adjacent pair that comes first in the merge list (leftmost on a tie)
@@ -132,7 +151,7 @@ def _unreachable(vocab, merges, made):
     in every row (its lowest-ranked one, leftmost on a tie), so the rows stay equally long; a row with no mergeable
     pair left is a token that HF splits. A 150k vocabulary takes ~0.6 s, a Python loop over it ~2.5 s.
     made[r] is the id of merge r's token; a pair listed twice has its last rank, as in HF's merge map."""
-    n, none = len(vocab), len(merges)
+    n, none = max(vocab.values()) + 1, len(merges)
     keys = np.array([vocab[a] * n + vocab[b] for a, b in merges], dtype=np.int64)  # a pair as one int
     order = np.argsort(keys, kind="stable")
     keys, made = keys[order], np.asarray(made, dtype=np.int64)
@@ -144,10 +163,11 @@ def _unreachable(vocab, merges, made):
 
     char_id = np.zeros(max(map(ord, BYTE_OF)) + 1, dtype=np.int64)  # a vocab character's code point -> its id
     for c in BYTE_OF:
-        char_id[ord(c)] = vocab[c]
+        char_id[ord(c)] = vocab.get(c, 0)
     by_length, bad = {}, []
-    for s in vocab:
-        by_length.setdefault(len(s), []).append(s)
+    for s in vocab:  # but the tokens holding a byte the vocab lacks: neither HF nor tiktoken ever makes them
+        if all(c in vocab for c in s):
+            by_length.setdefault(len(s), []).append(s)
     for length, words in by_length.items():
         if length < 2:
             continue
@@ -180,11 +200,14 @@ def _pattern(pre, refuse):
         refuse("ByteLevel add_prefix_space is true (tiktoken adds no space)")
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
         return GPT2_PATTERN
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return DIGITS_PATTERN
     if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
         split = steps[0]
         if "Regex" in split["pattern"] and split.get("behavior") == "Isolated" and not split.get("invert"):
             return split["pattern"]["Regex"]
-    refuse(f"pre_tokenizer {kinds} is not ByteLevel(use_regex) nor Split(Regex, Isolated) + ByteLevel; {SUPPORTED}")
+    refuse(f"pre_tokenizer {kinds} is not ByteLevel(use_regex), Digits(individual_digits) + ByteLevel(use_regex) "
+           f"nor Split(Regex, Isolated) + ByteLevel; {SUPPORTED}")
 
 def _from_json(tok, file):
     """The HFEncoding of a parsed tokenizer.json, after checking what makes tiktoken exact."""
@@ -216,11 +239,13 @@ def _from_json(tok, file):
     vocab = {s: i for s, i in model["vocab"].items() if i not in added_ids}
     if not set(BYTE_OF).issuperset("".join(vocab)):
         refuse(f"vocab strings are not GPT-2 byte-level characters; {SUPPORTED}")
+    # tiktoken's rank is the id: the ranks may start past the added tokens (SmolLM2's 17 come first) and have gaps
     ranks = {s.translate(TO_LATIN1).encode("latin-1"): i for s, i in vocab.items()}
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        refuse("the BPE vocab ids are not contiguous from 0 (tiktoken's rank is the id)")
-    if any(bytes([b]) not in ranks for b in range(256)):
-        refuse(f"the vocab lacks some of the 256 single bytes; {SUPPORTED}")
+    if len(set(ranks.values())) < len(ranks):
+        refuse("two vocab tokens have the same id; use the tokenizer.json that came with the model")
+    if model.get("unk_token") and any(bytes([b]) not in ranks for b in range(256)):
+        refuse(f"the vocab lacks some of the 256 single bytes and unk_token is set (HF writes the unknown token "
+               f"for them; tiktoken cannot); {SUPPORTED}")
 
     # HF merges the pair that comes first in the merge list, tiktoken the pair whose merged token has the lowest id:
     # the same choice when the merged token's id never decreases along the list (several merges per token are fine)
@@ -250,7 +275,10 @@ def _gpt2_files(path):
                 added_tokens=added)
 
 def load_hf_tokenizer(path):
-    """A tiktoken Encoding from a tokenizer.json, or a directory holding one (or else vocab.json + merges.txt)."""
+    """A tiktoken Encoding from a tokenizer.json, or a directory holding one (or else vocab.json + merges.txt), or
+    the tokenizer that a .gguf file's metadata describes."""
+    if path.endswith(".gguf"):
+        return _from_json(gguf_file.tokenizer_json(path), path)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json")):
         return _from_json(_gpt2_files(path), os.path.join(path, "vocab.json"))
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -259,7 +287,10 @@ def load_hf_tokenizer(path):
 
 def eos_ids(path):
     """The ids that end a generation of the checkpoint in directory `path`, sorted: generation_config.json's
-    eos_token_id (an int or a list: instruct models stop on several), else config.json's; None if neither names one."""
+    eos_token_id (an int or a list: instruct models stop on several), else config.json's; None if neither names one.
+    For a .gguf file, its end-of-sequence and end-of-turn ids."""
+    if path.endswith(".gguf"):
+        return gguf_file.eos_ids(path)
     for name in ("generation_config.json", "config.json"):
         if os.path.exists(os.path.join(path, name)):
             with open(os.path.join(path, name)) as f:
@@ -270,7 +301,8 @@ def eos_ids(path):
 
 def get_tokenizer(name):
     """The tokenizer called name: 'bytes' (one token per byte and an end of text, 257 in all, built here for tiny
-    models), 'gpt2' (tiktoken's, downloaded on first use), or a Hugging Face tokenizer.json or its directory."""
+    models), 'gpt2' (tiktoken's, downloaded on first use), a Hugging Face tokenizer.json or its directory, or a .gguf
+    file."""
     if name == "bytes":
         ranks = {bytes([i]): i for i in range(256)}
         return tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
@@ -284,17 +316,18 @@ def get_tokenizer(name):
                              f"its directory instead") from None
     if os.path.exists(name):
         return load_hf_tokenizer(name)
-    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes' (built in, no download), 'gpt2', or a Hugging Face "
-                     f"tokenizer.json or the directory that holds it")
+    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes' (built in, no download), 'gpt2', a Hugging Face "
+                     f"tokenizer.json or the directory that holds it, or a .gguf file")
 
 def stop_ids(enc, template="none", path=None):
     """The ids that end a completion; the first is the one a finished answer is written with (warm start, padding):
     the chat template's end of turn, then the eos ids of the checkpoint the tokenizer came from (path: its
-    directory or tokenizer.json; instruct models list several), else the tokenizer's end of text."""
+    directory, tokenizer.json or .gguf file; instruct models list several), then the tokenizer's end of text."""
     turn_end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(template)
     ids = [enc.encode_single_token(turn_end)] if turn_end else []
-    folder = path if path is None or os.path.isdir(path) else os.path.dirname(path)
-    ids += (folder and eos_ids(folder)) or [enc.eot_token]
+    folder = path if path is None or os.path.isdir(path) or path.endswith(".gguf") else os.path.dirname(path)
+    ids += (folder and eos_ids(folder)) or []
+    ids += [enc.eot_token] if enc.eot_token is not None else []
     return list(dict.fromkeys(ids))  # no repeats, first one first
 
 # -----------------------------------------------------------------------------
@@ -304,6 +337,7 @@ def stop_ids(enc, template="none", path=None):
 # the system message that Qwen2-Instruct's and Qwen2.5-Instruct's templates insert when the first one is not
 QWEN2_SYSTEM = "You are a helpful assistant."
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # SmolLM2-Instruct's
 LLAMA3_DATES = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"  # Llama-3.1's system header
 TEMPLATE_TOKENS = {"none": (), "chatml": ("<|im_start|>", "<|im_end|>"),
                    "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")}

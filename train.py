@@ -30,13 +30,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import gguf_file
 import lora
 import parallelism
 from configurator import check_config, check_device, configure
 from data import default_reward, load_dataset
 from evaluate import evaluate
 from loss import entropy_threshold, grpo_loss
-from measure import hms, lap, matmul_peak, memory_mb
+from measure import fastest_dtype, hms, lap, matmul_peak, memory_mb
 from model import GPT, GPTConfig
 from parallelism import full, gathered
 from tokenizer import check_template, get_tokenizer, stop_ids
@@ -52,7 +53,8 @@ eval_interval = 100  # iterations between held-out evaluations (also at the star
 eval_size = 500  # held-out prompts for greedy accuracy and pass@k, sampled prompts_per_step at a time
 save_interval = 100  # iterations between checkpoints (also at the end and when stopped by a signal); 0 = those only
 progress_interval = 10.0  # seconds between progress lines of a long warm start or evaluation
-init_from = 'scratch'  # 'scratch', 'resume' (from out_dir) or a Hugging Face directory (GPT-2, Llama, Qwen2, Qwen3)
+init_from = 'scratch'  # 'scratch', 'resume' (from out_dir), a Hugging Face directory (GPT-2, Llama, Qwen2, Qwen3)
+# or a .gguf file (Llama, Qwen2, Qwen3; dequantized to float32)
 wandb_log = False  # disabled by default
 wandb_project = 'nanogrpo'
 wandb_run_name = 'grpo'
@@ -60,8 +62,8 @@ wandb_run_name = 'grpo'
 task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "answer"} rows
 task_options = {}  # a built-in task's options (see data.py); {} = its defaults (addition: 2 digits)
 test_task = ''  # held-out data: '' = the task's own test split
-tokenizer = ''  # 'bytes' (257 tokens, built here), 'gpt2' (tiktoken's), a tokenizer.json or its directory;
-# '' = the init_from directory's own if it has one, else 'bytes'
+tokenizer = ''  # 'bytes' (257 tokens, built here), 'gpt2' (tiktoken's), a tokenizer.json or its directory, a .gguf;
+# '' = the init_from directory's or .gguf file's own if it has one, else 'bytes'
 chat_template = 'none'  # 'none' (the prompt as it is), 'chatml' (Qwen2/2.5/3) or 'llama3' (see tokenizer.py)
 system_prompt = None  # a system message for prompts without one (tokenizer.QWEN25_SYSTEM is Qwen2.5's default)
 enable_thinking = None  # Qwen3's switch: False opens each answer with an empty <think> block
@@ -146,7 +148,8 @@ max_bad_steps = 3  # stop after this many non-finite steps in a row
 parallel = 'ddp'  # under torchrun: 'ddp' (each rank holds everything) or 'fsdp' (FSDP2: each holds 1/ranks of the
 # weights, gradients and AdamW state; for models whose training state does not fit one GPU)
 device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
-dtype = 'float32'  # 'float32', 'float64' (exactness tests), 'bfloat16'/'float16' (autocast)
+dtype = 'float32'  # 'float32', 'float64' (exactness tests), 'bfloat16'/'float16' (autocast), or 'auto': bfloat16
+# where its matmuls are at least 2x float32's (GPUs, CPUs with AMX), else float32 (measure.fastest_dtype)
 compile = False
 cuda_graphs = False  # on CUDA, replay generate's decode steps as CUDA graphs (engine.py): no host overhead per token
 gradient_checkpointing = False  # recompute each block in backward: activations of one block, not all; and the
@@ -187,7 +190,7 @@ signal.signal(signal.SIGINT, on_signal)
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 master = rank == 0
 if sft_iters is None:
-    sft_iters = config['sft_iters'] = 0 if os.path.isdir(init_from) else 400
+    sft_iters = config['sft_iters'] = 0 if os.path.isdir(init_from) or init_from.endswith('.gguf') else 400
 check_config(config, world_size)
 state = checkpoint.load_state(out_dir) if init_from == 'resume' else None
 if parallel == 'fsdp' and not distributed:
@@ -199,8 +202,11 @@ if state and 'fsdp' in (parallel, was[0]) and was != (parallel, world_size):  # 
                      f"--parallel={was[0]} and torchrun --nproc_per_node={was[1]} (this run: '{parallel}', "
                      f"{world_size} rank(s))")
 if not tokenizer:  # the checkpoint's own; a resumed run keeps the one it started with
-    own = any(os.path.exists(os.path.join(init_from, f)) for f in ('tokenizer.json', 'vocab.json'))
+    own = init_from.endswith('.gguf') or any(os.path.exists(os.path.join(init_from, f))
+                                             for f in ('tokenizer.json', 'vocab.json'))
     tokenizer = config['tokenizer'] = state['config']['tokenizer'] if state else init_from if own else 'bytes'
+if dtype == 'auto':  # rank 0 measures, so that every rank computes in the same dtype
+    dtype = config['dtype'] = parallelism.from_rank0(fastest_dtype(device) if master else None)
 autocast = dtype in ('bfloat16', 'float16')
 cfg = SimpleNamespace(**config, world_size=world_size, autocast=autocast, ptdtype=getattr(torch, dtype),
                       on_policy=num_iterations == 1 and steps_per_generation == 1)  # one update per rollout
@@ -216,7 +222,11 @@ enc = get_tokenizer(tokenizer)
 check_template(enc, chat_template)
 tokenizer_dir = (tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)) if os.path.exists(tokenizer) \
     else None  # a checkpoint's tokenizer: its files go into our checkpoints too
-cfg.eos_ids = stop_ids(enc, chat_template, tokenizer_dir)
+cfg.eos_ids = stop_ids(enc, chat_template, tokenizer if os.path.exists(tokenizer) else None)
+if tokenizer.endswith('.gguf'):  # the GGUF's tokenizer as Hugging Face files, for the checkpoints
+    tokenizer_dir = os.path.join(out_dir, 'tokenizer')
+    if master:
+        gguf_file.write_hf_tokenizer(tokenizer, tokenizer_dir)
 if wandb_log:
     try:
         import wandb  # optional: only when asked for

@@ -85,7 +85,7 @@ CASES = [
     ('KL with no reference', ['--beta=0.1', '--sft_iters=0'], "beta > 0 needs a reference policy"),
     ('prompt + completion > block_size', ['--block_size=6'], "> block_size=6"),
     ('resume with no checkpoint', ['--init_from=resume', '--out_dir={d}/empty_out'], "holds no checkpoint"),
-    ('init_from not a directory', ['--init_from={d}/nowhere'], "is neither 'scratch', 'resume' nor"),
+    ('init_from not a directory', ['--init_from={d}/nowhere'], "is neither 'scratch', 'resume', a Hugging Face"),
     ('missing data file', ['--task={d}/missing.jsonl', '--task_options={}'], "missing.jsonl not found"),
     ('malformed JSON line', ['--task={d}/bad_json_{split}.jsonl', '--task_options={}'], "bad_json_train.jsonl:2: invalid JSON"),
     ('row without answer', ['--task={d}/no_answer_{split}.jsonl', '--task_options={}'], 'no_answer_train.jsonl:2: no "answer"'),

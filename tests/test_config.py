@@ -81,7 +81,8 @@ def test_bad_config_files(tmp_path):
     (dict(beta=0.04, init_from='scratch', sft_iters=0), 1, "beta > 0 needs a reference policy"),
     (dict(delta=1.1, epsilon_high=0.2), 1, "delta=1.1 must be None or > 1 + epsilon_high"),
     (dict(temperature=0.0), 1, "temperature=0.0 must be > 0"),
-    (dict(init_from='/no/such/dir'), 1, "is neither 'scratch', 'resume' nor a Hugging Face checkpoint directory"),
+    (dict(init_from='/no/such/dir'), 1, "is neither 'scratch', 'resume', a Hugging Face checkpoint directory nor a "
+                                        ".gguf file"),
     (dict(init_from='resume', out_dir='/no/such/out'), 1, "holds no checkpoint"),
     (dict(top_p=1.5), 1, "top_p must be None or in (0, 1]"),
     # the second wave of loss knobs (issue 12)

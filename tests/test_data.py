@@ -38,6 +38,17 @@ def test_addition_answers():
         assert r["prompt"].endswith("=") and len(a) <= 3 and len(b) <= 3
         assert r["answer"] == str(int(a) + int(b))
 
+def test_times_table_answers():
+    """Every product from 2 x 2 to 12 x 12, asked each of four ways, once, and split between train and test."""
+    train, test = load_dataset("times_table", "train"), load_dataset("times_table", "test")
+    rows = train + test
+    assert len(rows) == len({r["prompt"] for r in rows}) == 4 * 11 * 11 and 30 < len(test) < 80
+    for r in rows:
+        a, b = map(int, re.findall(r"\d+", r["prompt"]))
+        assert 2 <= a <= 12 and 2 <= b <= 12 and r["answer"] == str(a * b)
+    assert {r["prompt"].split(" ")[0] for r in rows} == {"What", "Multiply"}
+    assert len(load_dataset("times_table", "train", max_factor=5)) < 4 * 4 * 4
+
 def test_sort_answers():
     rows = load_dataset("sort", "train", seed=1, size=300, length=5, digits=2)
     assert len({r["prompt"] for r in rows}) == 300
@@ -114,8 +125,8 @@ COUNT = "task_options\\['count'\\] of task 'countdown'"
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(name="multiply"), "unknown dataset 'multiply'; use a built-in task \\(addition, sort, countdown\\) or a "
-                            ".jsonl path"),
+    (dict(name="multiply"), "unknown dataset 'multiply'; use a built-in task \\(addition, sort, countdown, "
+                            "times_table\\) or a .jsonl path"),
     (dict(name="addition", split="val"), "unknown split 'val'; use 'train' or 'test'"),
     (dict(name="addition", size=0), "size must be a positive integer or None, got 0"),
     (dict(name="addition", size=2.5), "size must be a positive integer or None, got 2.5"),
@@ -202,7 +213,7 @@ def test_empty_and_missing_files(tmp_path):
         load_dataset(path)
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match=f"dataset file {missing} not found; give the path of a .jsonl file "
-                                                f"or a built-in task \\(addition, sort, countdown\\)"):
+                                                f"or a built-in task \\(addition, sort, countdown, times_table\\)"):
         load_dataset(missing)
 
 def test_jsonl_refuses_task_options_and_empty_split(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import measure
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +72,17 @@ def test_a_checkpoint_is_evaluated_without_training(tmp_path):
     p = run(['--max_iters=0', f'--init_from={ckpt}', '--sft_iters=0'], tmp_path / 'eval')
     assert 'eval 0: greedy acc ' in p.stdout and 'iter ' not in p.stdout
     assert os.listdir(tmp_path / 'eval') == ['metrics.jsonl'] and [m['iter'] for m in metrics(tmp_path / 'eval')] == [0]
+
+
+def test_dtype_auto_trains_in_the_faster_dtype(tmp_path, monkeypatch):
+    """dtype='auto': bf16 autocast where this machine's bf16 matmuls run at least twice as fast as float32 (AMX, GPUs),
+    else float32; the run records which one it chose, and the rule is the one measure.fastest_dtype states."""
+    run(['--max_iters=1', '--dtype=auto', '--save_interval=1'], tmp_path / 'out')
+    chosen = json.load(open(tmp_path / 'out' / json.load(open(tmp_path / 'out' / 'latest')) / 'trainer.json'))
+    assert chosen['config']['dtype'] == measure.fastest_dtype('cpu') in ('bfloat16', 'float32')
+    for bf16, fp32, expected in ((1.0, 0.6, 'float32'), (1.2, 0.6, 'bfloat16'), (0.01, 0.2, 'float32')):
+        monkeypatch.setattr(measure, 'matmul_peak', lambda device, dtype: (bf16 if dtype == torch.bfloat16 else fp32,))
+        assert measure.fastest_dtype('cpu') == expected
 
 
 def test_padded_vocab(tmp_path):

@@ -1,0 +1,206 @@
+"""
+GGUF files (llama.cpp's format) in: one .gguf holds a model's architecture, its weights (often quantized) and its
+tokenizer. They are read with the `gguf` package, llama.cpp's own Python reader (optional: pip install gguf), and
+turned into what a Hugging Face directory would hold, so that hf.py and tokenizer.py do the rest with every check
+they make there:
+
+    read_model(path)      -> (config.json's dict, (HF tensor name, file, float32 tensor) triples)
+    tokenizer_json(path)  -> tokenizer.json's dict (vocab, merges, added tokens, the pre-tokenizer the file names)
+    eos_ids(path)         -> the ids that end a generation
+    write_hf_tokenizer(path, folder): tokenizer.json, tokenizer_config.json and generation_config.json, so that the
+                          checkpoints a run writes from a GGUF are whole Hugging Face model directories
+
+The weights are dequantized to float32 by gguf itself. llama.cpp stores a Llama's q and k projections with each
+head's rows reordered for its rotary kernel (pairs interleaved, where Hugging Face rotates the two halves of a head);
+that is undone here. Qwen2 and Qwen3 are stored unreordered (llama.cpp rotates them as Hugging Face does).
+"""
+import functools
+import json
+import os
+
+import numpy as np
+import torch
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# tokenizer.ggml.pre names the pre-tokenizer of the tokenizer.json the file was converted from; these are those
+# tokenizer.json files' own (Qwen2's with its NFC normalizer)
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+BYTE_LEVEL = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=True)
+
+def _split(regex):
+    return dict(type="Sequence", pretokenizers=[
+        dict(type="Split", pattern=dict(Regex=regex), behavior="Isolated", invert=False),
+        dict(BYTE_LEVEL, trim_offsets=False, use_regex=False)])
+
+PRE_TOKENIZERS = {  # tokenizer.ggml.pre -> (normalizer, pre_tokenizer)
+    "gpt-2": (None, BYTE_LEVEL),
+    "smollm": (None, dict(type="Sequence", pretokenizers=[dict(type="Digits", individual_digits=True), BYTE_LEVEL])),
+    "qwen2": (dict(type="NFC"), _split(QWEN2_REGEX)),
+    "llama-bpe": (None, _split(LLAMA3_REGEX)),
+}
+# GGUF's tensor names -> Hugging Face's: outside the blocks, and inside block i ('blk.{i}.' -> 'model.layers.{i}.')
+TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+         "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+         "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+         "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type: special added tokens, and the added ones not special
+
+@functools.lru_cache(maxsize=1)  # the tokenizer, the eos ids and the model read one file: parse it once
+def _reader(path):
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError(f"{path}: reading a GGUF file needs the gguf package (llama.cpp's reader): pip install gguf "
+                         f"(or pip install -r requirements-extra.txt)") from None
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: give the path of a .gguf file")
+    try:
+        return gguf, gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct and numpy errors on a damaged file
+        raise ValueError(f"{path} cannot be read as GGUF ({type(e).__name__}: {e}); the file is damaged or not "
+                         f"GGUF: download it again") from None
+
+def _metadata(path, key, default=None):
+    field = _reader(path)[1].fields.get(key)
+    return default if field is None else field.contents()
+
+def _need(path, key):
+    value = _metadata(path, key)
+    if value is None:
+        raise ValueError(f"{path}: metadata {key!r} is missing; the GGUF is incomplete, convert the model again")
+    return value
+
+def _architecture(path):
+    arch = _need(path, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {arch!r} is not supported; nanoGRPO reads GGUF files of "
+                         f"{', '.join(ARCHITECTURES)}")
+    return arch
+
+# -----------------------------------------------------------------------------
+# the model
+
+def _llama3_rope(path, freqs, theta, head_dim):
+    """Llama-3.1's rope scaling as config.json says it, from the per-frequency divisors (rope_freqs) that llama.cpp
+    stores instead: every Llama-3.x uses low_freq_factor 1, high_freq_factor 4 and an original context of 8192,
+    and the largest divisor is the factor. Refused unless those give back the file's divisors."""
+    rope = dict(rope_type="llama3", factor=float(freqs.max()), low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = np.clip((8192 / wavelen - 1.0) / 3.0, 0, 1)
+    divisor = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    if freqs.shape != divisor.shape or not np.allclose(freqs, divisor, rtol=1e-4):
+        raise ValueError(f"{path}: its rope_freqs are not Llama-3.1's rope scaling; only that one is supported")
+    return rope
+
+def _hf_name(name):
+    """The Hugging Face name of GGUF tensor name; one it does not know is left as it is (hf.py then refuses it)."""
+    part = name.split(".")
+    if part[0] == "blk" and len(part) == 4:
+        return f"model.layers.{part[1]}.{BLOCK.get(part[2], part[2])}.{part[3]}"
+    return ".".join([TOP.get(part[0], part[0]), *part[1:]])
+
+def read_model(path):
+    """(the config.json this model would have, its tensors as (Hugging Face name, path, float32 tensor) one at a
+    time). The config is hf.parse_config's to check and write_config's to write back."""
+    gguf, reader = _reader(path)
+    arch = _architecture(path)
+    tensors = {t.name: t for t in reader.tensors}
+    for t in tensors.values():
+        if t.tensor_type.name not in QUANTS:
+            raise ValueError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}, which is not supported; nanoGRPO "
+                             f"dequantizes {', '.join(QUANTS)}: use a GGUF of one of those")
+    def key(name, default=None):
+        return _metadata(path, f"{arch}.{name}", default)
+    heads = _need(path, f"{arch}.attention.head_count")
+    kv_heads = key("attention.head_count_kv", heads)
+    hidden = _need(path, f"{arch}.embedding_length")
+    head_dim = key("attention.key_length", hidden // heads)
+    theta = float(key("rope.freq_base", 10000.0))
+    if key("rope.scaling.type", "none") not in ("none", "linear") or key("rope.scaling.factor", 1.0) != 1.0:
+        raise ValueError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported; nanoGRPO does "
+                         f"Llama-3.1's (rope_freqs) and none")
+    rope = _llama3_rope(path, gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors[
+        "rope_freqs.weight"].tensor_type).astype(np.float64), theta, head_dim) if "rope_freqs.weight" in tensors \
+        else None
+    config = dict(
+        architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        model_type=arch, vocab_size=key("vocab_size") or len(_need(path, "tokenizer.ggml.tokens")),
+        hidden_size=hidden, intermediate_size=_need(path, f"{arch}.feed_forward_length"),
+        num_hidden_layers=_need(path, f"{arch}.block_count"), num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=_need(path, f"{arch}.context_length"),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6), rope_theta=theta, rope_scaling=rope,
+        tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=_metadata(path, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_metadata(path, "tokenizer.ggml.eos_token_id"), torch_dtype="float32")
+
+    def weights():
+        for t in tensors.values():
+            if t.name == "rope_freqs.weight":  # read into config's rope_scaling above
+                continue
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)  # (rows, columns), as torch's
+            if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
+                n = heads if ".attn_q." in t.name else kv_heads
+                # llama.cpp's rows of a head: the pairs (i, i + head_dim/2) side by side; back to the two halves
+                w = w.reshape(n, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            yield _hf_name(t.name), path, torch.from_numpy(np.ascontiguousarray(w))
+    return config, weights()
+
+# -----------------------------------------------------------------------------
+# the tokenizer
+
+def tokenizer_json(path):
+    """The tokenizer.json that the GGUF's tokenizer metadata describes, in the layout of the hub's files: the
+    tokens that tokenizer.ggml.token_type marks as control are special added tokens, user-defined ones added tokens
+    that are not special, and tokenizer.ggml.pre picks the normalizer and pre-tokenizer."""
+    kind, pre = _need(path, "tokenizer.ggml.model"), _metadata(path, "tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model {kind!r} is not a byte-level BPE ('gpt2'); nanoGRPO reads "
+                         f"only those")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; nanoGRPO reproduces "
+                         f"{', '.join(PRE_TOKENIZERS)}")
+    tokens, types = _need(path, "tokenizer.ggml.tokens"), _need(path, "tokenizer.ggml.token_type")
+    added = [dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False,
+                  special=role == CONTROL) for i, (t, role) in enumerate(zip(tokens, types))
+             if role in (CONTROL, USER_DEFINED)]
+    normalizer, pre_tokenizer = PRE_TOKENIZERS[pre]
+    byte_level = dict(BYTE_LEVEL, add_prefix_space=False, trim_offsets=False, use_regex=False)
+    return dict(version="1.0", truncation=None, padding=None, added_tokens=added, normalizer=normalizer,
+                pre_tokenizer=pre_tokenizer, post_processor=byte_level, decoder=byte_level,
+                model=dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None,
+                           end_of_word_suffix=None, fuse_unk=False, byte_fallback=False, ignore_merges=False,
+                           vocab={t: i for i, t in enumerate(tokens)}, merges=_need(path, "tokenizer.ggml.merges")))
+
+def eos_ids(path):
+    """The ids that end a generation: the file's end-of-sequence and end-of-turn tokens, sorted."""
+    ids = {_metadata(path, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")} - {None}
+    return sorted(ids) or None
+
+def write_hf_tokenizer(path, folder):
+    """The GGUF's tokenizer as Hugging Face files in folder: tokenizer.json, tokenizer_config.json (the chat
+    template and the special tokens' names) and generation_config.json (the eos ids). Each written atomically."""
+    tok = tokenizer_json(path)
+    tokens = _need(path, "tokenizer.ggml.tokens")
+    def name(key):
+        i = _metadata(path, f"tokenizer.ggml.{key}_token_id")
+        return None if i is None else tokens[i]
+    config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=name("bos"), eos_token=name("eos"),
+                  pad_token=name("padding"), unk_token=None, add_bos_token=bool(_metadata(
+                      path, "tokenizer.ggml.add_bos_token", False)),
+                  chat_template=_metadata(path, "tokenizer.chat_template"), model_max_length=_need(
+                      path, f"{_architecture(path)}.context_length"))
+    generation = dict(bos_token_id=_metadata(path, "tokenizer.ggml.bos_token_id"), eos_token_id=eos_ids(path))
+    os.makedirs(folder, exist_ok=True)
+    for file, obj in (("tokenizer.json", tok), ("tokenizer_config.json", config),
+                      ("generation_config.json", generation)):
+        tmp = os.path.join(folder, f"{file}.tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, ensure_ascii=False, indent=None if file == "tokenizer.json" else 2)
+        os.replace(tmp, os.path.join(folder, file))
