@@ -95,7 +95,7 @@ def _llama3_rope(path, freqs, theta, head_dim):
     wavelen = 2 * np.pi / inv_freq
     smooth = np.clip((8192 / wavelen - 1.0) / 3.0, 0, 1)
     divisor = 1 / ((1 - smooth) / rope["factor"] + smooth)
-    if freqs.shape != divisor.shape or not np.allclose(freqs, divisor, rtol=1e-4):
+    if freqs.shape != divisor.shape or not np.allclose(freqs, divisor, rtol=1e-4):  # float32 in the file
         raise ValueError(f"{path}: its rope_freqs are not Llama-3.1's rope scaling; only that one is supported")
     return rope
 
@@ -126,9 +126,9 @@ def read_model(path):
     if key("rope.scaling.type", "none") not in ("none", "linear") or key("rope.scaling.factor", 1.0) != 1.0:
         raise ValueError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported; nanoGRPO does "
                          f"Llama-3.1's (rope_freqs) and none")
-    rope = _llama3_rope(path, gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors[
-        "rope_freqs.weight"].tensor_type).astype(np.float64), theta, head_dim) if "rope_freqs.weight" in tensors \
-        else None
+    freqs = tensors.get("rope_freqs.weight")  # Llama-3.1's scaling, as llama.cpp stores it
+    rope = None if freqs is None else _llama3_rope(path, gguf.quants.dequantize(freqs.data, freqs.tensor_type), theta,
+                                                    head_dim)
     config = dict(
         architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
         model_type=arch, vocab_size=key("vocab_size") or len(_need(path, "tokenizer.ggml.tokens")),

@@ -5,7 +5,8 @@ The policy: one decoder-only transformer in two flavours, with the three things 
   attention, and per family q/k/v biases (Qwen2) or a per-head RMSNorm of queries and keys (Qwen3).
 1) logprobs(): per-token log-probs of given completions, chunked so a (B, T, vocab) float32 tensor never exists,
 2) generate(): fast sampling of many completions per prompt with a static KV cache (its loop is engine.py's),
-3) from_pretrained() / save_pretrained(): Hugging Face checkpoints without transformers (the format is hf.py's).
+3) from_pretrained() / save_pretrained(): Hugging Face checkpoints without transformers (the format is hf.py's), and
+   from_pretrained() of a GGUF file (gguf_file.py).
 Module names follow Hugging Face's GPT2LMHeadModel; hf.py maps the Llama family's names (and splits the fused
 q/k/v and gate/up matrices) key by key.
 """

@@ -1,20 +1,22 @@
 """
 Hugging Face tokenizers as tiktoken Encodings: load_hf_tokenizer(path) reads a checkpoint's tokenizer.json (or the
-older GPT-2 layout, vocab.json + merges.txt) and returns a tiktoken Encoding that tokenizes exactly as Hugging Face
-tokenizers does, and eos_ids(path) reads the ids that end a generation. render_chat() turns a prompt (a string or
+older GPT-2 layout, vocab.json + merges.txt, or a .gguf file's metadata, which gguf_file.py turns into a
+tokenizer.json) and returns a tiktoken Encoding that tokenizes exactly as Hugging Face tokenizers does, and
+eos_ids(path) reads the ids that end a generation. render_chat() turns a prompt (a string or
 a list of messages) into the text of a model's chat template, and check_template() refuses a template whose special
 tokens the tokenizer lacks.
 
 Why tiktoken: its Rust BPE is fast, it is already the project's tokenizer interface (encode_ordinary, encode,
 decode, eot_token, n_vocab), and it saves a dependency on `tokenizers`/`transformers` at run time.
 
-A byte-level BPE tokenizer.json (GPT-2, Qwen2/2.5/3, Llama-3) carries a tiktoken Encoding inside it: the vocab
-is the ranks (once the strings are mapped back to bytes), the pre-tokenizer's regex is the pattern, the added
-tokens are the special tokens. tiktoken then gives the same ids as Hugging Face if a handful of properties hold;
-_from_json checks them and refuses a tokenizer.json that breaks one with a ValueError naming the file and the
-problem, rather than tokenize slightly differently from the model's training. Two things tiktoken
-lacks are added on top: the NFC normalizer, and added tokens that are matched in any text (not only when special
-tokens are allowed).
+A byte-level BPE tokenizer.json (GPT-2, SmolLM, Qwen2/2.5/3, Llama-3) carries a tiktoken Encoding inside it: the
+vocab is the ranks (once the strings are mapped back to bytes; they may start past the added tokens, as SmolLM2's
+do), the pre-tokenizer's regex is the pattern, the added tokens are the special tokens. tiktoken then gives the
+same ids as Hugging Face if a handful of properties hold; _from_json checks them and refuses a tokenizer.json that
+breaks one with a ValueError naming the file and the problem, rather than tokenize slightly differently from the
+model's training. Three things tiktoken lacks are added on top: the NFC normalizer, added tokens that are matched in
+any text (not only when special tokens are allowed), and dropping the bytes a vocab lacks, as Hugging Face's BPE
+does when it has no unknown token.
 """
 import functools
 import json
