@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+import regex
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -173,6 +174,19 @@ def test_tokenizer_from_metadata_matches_hf_tokenizers(tmp_path):
         assert enc.encode(c["text"], allowed_special="all") == c["ids"], c["text"]
         assert enc.encode_ordinary(c["text"]) == c["ids_specials_as_text"], c["text"]
     assert enc.n_vocab == 544 and enc.eot_token == 541
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("gpt-2", ["Hello", " 12345", " ", " x"]),
+    ("llama-bpe", ["Hello", " ", "123", "45", " ", " x"]),  # Llama-3: digits in threes
+    ("smollm", ["Hello", " ", "1", "2", "3", "4", "5", " ", " x"]),  # Digits first: a space before a digit alone
+    ("qwen2", ["Hello", " ", "1", "2", "3", "4", "5", " ", " x"]),
+])
+def test_each_pre_tokenizer_splits_as_its_model(tmp_path, pre, pieces):
+    """tokenizer.ggml.pre picks the pre-tokenizer of the model's own tokenizer.json, and Qwen2's NFC normalizer."""
+    enc = get_tokenizer(write_gguf(str(tmp_path / "m.gguf"), tiny_model("qwen2"), pre=pre))
+    assert regex.findall(enc._pat_str, "Hello 12345  x") == pieces
+    assert enc._nfc == (pre == "qwen2")
 
 
 def test_eos_ids_and_stop_ids(tmp_path):
