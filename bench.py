@@ -224,7 +224,7 @@ def naive_generate(model, args, prompts, steps):
     g = torch.Generator(args.device).manual_seed(2)
     with torch.inference_mode(), autocast(args):
         for _ in range(steps):
-            logits = model.lm_head(model._hidden(idx)[:, -1])  # (N, V)
+            logits = model.lm_head(model.hidden(idx)[:, -1])  # (N, V)
             u = torch.rand(idx.size(0), 2, device=args.device, generator=g)
             idx = torch.cat([idx, sample(logits, u=u)[0][:, None]], 1)
 
@@ -298,15 +298,15 @@ def bench_sampling(args, model, results):
         return
     mixed = make_prompts(args, [short, args.prompt_len] * (args.prompts // 2) + [args.prompt_len] * (args.prompts % 2))
     edited = build_model(args)
-    hidden = edited._hidden
+    hidden = edited.hidden
 
     def edited_hidden(idx, pos=None, **cache):  # direction 0 of the final hidden state: 100 there, a huge EOS logit
         h = hidden(idx, pos, **cache)
-        pos = torch.arange(idx.size(1), device=idx.device) if pos is None else pos  # as _hidden's default
+        pos = torch.arange(idx.size(1), device=idx.device) if pos is None else pos  # as hidden's default
         h[..., 0] += 100.0 * ((pos >= hit) & (pos < hit + 4))
         return h
 
-    edited._hidden = edited_hidden
+    edited.hidden = edited_hidden
     with torch.no_grad():
         edited.lm_head.weight[eos, 0] = 2.0
     _, mask, _ = generate(edited, args, mixed, T, eos_id=eos)

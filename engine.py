@@ -139,7 +139,7 @@ def _capture(fn, cache):
 
 def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_id, generator):
     cfg, dev = model.config, model.lm_head.weight.device
-    dtype = model._dtype()
+    dtype = model.compute_dtype()
     N, P = len(prompts) * G, max(len(p) for p in prompts)
     S = P + max_new_tokens - 1  # the last sampled token is never fed back
     cache = static_cache(model, N, S, dtype, dev)
@@ -150,7 +150,7 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     logits = torch.empty(N, cfg.vocab_size, device=dev)
     for i, p in enumerate(prompts):
         rows = slice(i * G, (i + 1) * G)
-        h = model._hidden(torch.tensor(p, device=dev)[None], kv=[(k[rows], v[rows]) for k, v in kv],
+        h = model.hidden(torch.tensor(p, device=dev)[None], kv=[(k[rows], v[rows]) for k, v in kv],
                           col=P - len(p))  # (1, len, C)
         logits[rows] = model.lm_head(h[:, -1])  # one row of logits, which each sample row draws from on its own
 

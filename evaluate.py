@@ -6,8 +6,9 @@ evaluate every eval_interval iterations; its warm start asks greedy_hits when it
 import torch
 
 from measure import ticker
+from parallelism import all_sum
 from reward import pass_at_k
-from rollout import all_sum, prompt_seed, sample, score
+from rollout import prompt_seed, sample, score
 
 
 @torch.no_grad()

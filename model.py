@@ -218,7 +218,7 @@ class GPT(nn.Module):
         frozen_body = sum(p.numel() for n, p in self.transformer.h.named_parameters() if not p.requires_grad)
         return rows * (T * (self.flops_per_token(T) - head - 2 * frozen_body) + C * (head - frozen_head))
 
-    def _hidden(self, idx, pos=None, kv=None, col=0, key_mask=None):
+    def hidden(self, idx, pos=None, kv=None, col=0, key_mask=None):
         """Final hidden states (B, T, C) of idx (B, T); kv, col and key_mask are generate()'s cache plumbing. pos
         (B, T) without kv: rows packed one after another (rollout.micro_batches), each token's position in its own
         row. A prompt begins at 0; a row begins wherever positions do not go on by one, and one that begins past 0
@@ -260,7 +260,7 @@ class GPT(nn.Module):
         trainer's pass goes through forward and a DistributedDataParallel wrapper sees it."""
         if start is not None:
             return self.logprobs(idx, start, length, temperature, entropy, lengths, pos)
-        return self.lm_head(self._hidden(idx))
+        return self.lm_head(self.hidden(idx))
 
     def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None, pos=None):
         """out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j], predicted from the position
@@ -268,7 +268,7 @@ class GPT(nn.Module):
         completion + any right padding per row (causal attention never looks at the padding), start (B,) each row's
         prompt length. lengths (B,), if given, is how many of each row's completion tokens count: the output layer
         runs on those only (it costs more per token than the rest of a small model), and out is 0 past them. With
-        pos (B, T), idx holds several rows packed one after another (rollout.micro_batches, see _hidden) and start
+        pos (B, T), idx holds several rows packed one after another (rollout.micro_batches, see hidden) and start
         (n,) is where each of n rows' completion begins, as a flat index into idx: out is then (n, length). The
         output layer runs in chunks of rows (HeadLogprobs), so a float32 (B, T, vocab) tensor never exists.
         entropy=True returns (out, H) instead, H[b, j] (B, length) the entropy of the same softmax(logits /
@@ -279,7 +279,7 @@ class GPT(nn.Module):
                                                                   int(start.max()) + length > T):
             raise ValueError(f"logprobs needs 1 <= start and start + length <= T, got start in "
                              f"[{int(start.min())}, {int(start.max())}], length {length}, T {T}")
-        h = self._hidden(idx, pos)  # (B, T, C)
+        h = self.hidden(idx, pos)  # (B, T, C)
         if pos is None:  # one row a sequence: as a flat index into idx
             start = start + T * torch.arange(B, device=idx.device)
         n, j = len(start), torch.arange(length, device=idx.device)
@@ -290,11 +290,11 @@ class GPT(nn.Module):
         # before time), else it keeps them from forward
         hold = torch.is_grad_enabled() and not self.gradient_checkpointing
         out = HeadLogprobs.apply(h.flatten(0, 1)[before], self.lm_head.weight, idx.flatten()[before + 1],
-                                 temperature, rows, self._dtype(), entropy, hold)  # (k,) or ((k,), (k,))
+                                 temperature, rows, self.compute_dtype(), entropy, hold)  # (k,) or ((k,), (k,))
         out = [t.new_zeros(n, length).masked_scatter(keep, t) for t in (out if entropy else (out,))]
         return tuple(out) if entropy else out[0]
 
-    def _dtype(self):
+    def compute_dtype(self):
         """The dtype the matmuls run in: autocast's when it is on, else the weights'."""
         dev = self.lm_head.weight.device.type
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.lm_head.weight.dtype
@@ -324,7 +324,7 @@ class GPT(nn.Module):
         covers the S cache columns given; key_mask (n, S) and col hide the padding and what is not written yet),
         so torch.compile turns the step, sampling included, into one graph: train.py's compile does."""
         mask = key_mask & (torch.arange(key_mask.size(1), device=col.device) <= col)  # (n, S)
-        h = self._hidden(tok[:, None], pos=pos[:, None], kv=kv, col=col, key_mask=mask[:, None, None])  # (n, 1, C)
+        h = self.hidden(tok[:, None], pos=pos[:, None], kv=kv, col=col, key_mask=mask[:, None, None])  # (n, 1, C)
         return sample(self.lm_head(h[:, -1]), temperature, top_k, top_p, u)
 
     @classmethod

@@ -156,6 +156,23 @@ def init(device):
     return True, dist.get_rank(), dist.get_world_size(), device
 
 
+def gather(t):
+    """Concatenate a tensor across ranks along dim 0 (identity on one process). Every rank holds equal rows."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def all_sum(t):
+    """Sum a tensor over ranks, in a copy (identity on one process)."""
+    t = t.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 def from_rank0(obj):
     """Rank 0's obj on every rank (a small picklable value; the ranks' own one when not distributed)."""
     if not dist.is_initialized():

@@ -22,11 +22,11 @@ import time
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 
 from lora import adapters_off, has_adapters, merged
 from loss import decoupled_advantages, group_advantages, kl_divergence
 from measure import lap
+from parallelism import gather
 from reward import compute_rewards
 from tokenizer import render_chat
 
@@ -35,23 +35,6 @@ def prompt_seed(*key):
     """A 63-bit seed from a tuple of ints, e.g. (seed, iteration, prompt id): python's hash of ints and tuples of
     ints is the same in every process and run (only str hashes are randomised)."""
     return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def gather(t):
-    """Concatenate a tensor across ranks along dim 0 (identity on one process). Every rank holds equal rows."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts)
-
-
-def all_sum(t):
-    """Sum a tensor over ranks, in a copy (identity on one process)."""
-    t = t.clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
 
 
 @functools.lru_cache(maxsize=2)
@@ -234,7 +217,7 @@ def micro_batches(batch, size):
     with next to no forward or backward work on padding, nor on a prompt twice. Each row needs its prompt and the
     completion tokens that count (causal attention never reads past them), and the rows of one prompt (a group)
     need its tokens once: a sequence holds a prompt but its last token once, then each of its rows as that last
-    token and the row's completion, at the positions they have in the row (model._hidden lets such a row see the
+    token and the row's completion, at the positions they have in the row (model.hidden lets such a row see the
     prompt before it and itself only). Rows are packed into sequences no longer than the longest row, first fit from
     the longest (long prompts and a long tail of completion lengths: one to three rows a sequence, more where their
     prompt is in it already), and the sequences, sorted by length, are cut into the micro-batches, each to its

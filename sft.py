@@ -15,8 +15,8 @@ import parallelism
 from evaluate import greedy_hits
 from measure import ticker
 from model import GPT
-from parallelism import full_state_dict, gathered
-from rollout import all_sum, encode_prompt, pack, prompt_seed
+from parallelism import all_sum, full_state_dict, gathered
+from rollout import encode_prompt, pack, prompt_seed
 
 # the settings the cached weights depend on
 KEYS = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',

@@ -39,10 +39,10 @@ from evaluate import evaluate
 from loss import entropy_threshold, grpo_loss
 from measure import fastest_dtype, hms, lap, matmul_peak, memory_mb
 from model import GPT, GPTConfig
-from parallelism import full, gathered
+from parallelism import all_sum, full, gather, gathered
 from tokenizer import check_template, get_tokenizer, stop_ids
 from reward import get_reward_fns
-from rollout import all_sum, encode_prompt, gather, logprobs, micro_batches, prompt_seed, rollout, rollout_metrics
+from rollout import encode_prompt, logprobs, micro_batches, prompt_seed, rollout, rollout_metrics
 from sft import warm_start
 
 # -----------------------------------------------------------------------------

@@ -175,12 +175,12 @@ def test_a_flat_group_contributes_nothing(step, scale, estimator):
 
 def test_generate_prefills_each_prompt_once_for_all_its_samples():
     model = tiny_model()
-    hidden, calls = model._hidden, []
+    hidden, calls = model.hidden, []
 
-    def counted(idx, *args, **kwargs):  # generate reaches the transformer only through self._hidden
+    def counted(idx, *args, **kwargs):  # generate reaches the transformer only through self.hidden
         calls.append(tuple(idx.shape))
         return hidden(idx, *args, **kwargs)
-    model._hidden = counted
+    model.hidden = counted
     prompts = [[5, 9, 2], [7, 7], [1, 2, 3, 4]]
     tokens, _, _ = model.generate(prompts, 6, num_samples=8, generator=torch.Generator().manual_seed(0))
     prefills = [shape for shape in calls if shape[1] > 1]
