@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 import lora
 import parallelism
+from configurator import ConfigError
 
 
 def fsync_dir(path):
@@ -55,7 +56,7 @@ def read_json(path):
         with open(path) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); delete it or restore it from a backup") from None
+        raise ConfigError(f"{path} is not valid JSON ({e}); delete it or restore it from a backup") from None
 
 
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'generation_config.json',
@@ -141,11 +142,11 @@ def load_state(out_dir):
     """The latest checkpoint's trainer state, with 'dir' set to its directory."""
     name = read_json(os.path.join(out_dir, 'latest'))
     if name is None:
-        raise FileNotFoundError(f"no checkpoint in {out_dir} (no 'latest' file); start with init_from='scratch'")
+        raise ConfigError(f"no checkpoint in {out_dir} (no 'latest' file); start with init_from='scratch'")
     path = os.path.join(out_dir, str(name))
     state = read_json(os.path.join(path, 'trainer.json'))
     if state is None:
-        raise FileNotFoundError(f"{path}/trainer.json is missing: the checkpoint is incomplete; "
+        raise ConfigError(f"{path}/trainer.json is missing: the checkpoint is incomplete; "
                                 f"restore it or start with init_from='scratch'")
     return dict(state, dir=path)
 
@@ -157,7 +158,7 @@ def load_optimizer(path, optimizer, rank=None):
     try:
         tensors = load_file(file)
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file} cannot be read ({e}); the checkpoint is damaged, restore it or start "
+        raise ConfigError(f"{file} cannot be read ({e}); the checkpoint is damaged, restore it or start "
                          f"with init_from='scratch'") from None
     state = {}
     for key, value in tensors.items():

@@ -8,7 +8,7 @@ an optional config file (plain Python, exec'd) and `--key=value` overrides (pars
 
 Every mistake is caught before any work starts, as one line that says what is wrong and how to fix it:
 an unknown key (with the closest known keys), a value of the wrong type, and combinations that cannot
-work (check_config). train.py prints ValueErrors as `error: ...` without a traceback.
+work (check_config). These raise ConfigError, which train.py prints as `error: ...` without a traceback.
 """
 import ast
 import difflib
@@ -19,6 +19,11 @@ import torch
 
 from loss import ADVANTAGE_ESTIMATORS, LOSS_TYPES, SAMPLER_CORRECTIONS
 
+class ConfigError(ValueError):
+    """A mistake in what the user gave: the configuration, a data file, a checkpoint, a tokenizer, a reward function.
+    train.py prints it as one line, `error: ...`; every other exception keeps its traceback (a bug's, a fork's)."""
+
+
 # the values a config may hold; anything else in train.py's globals (modules, functions) is not config
 CONFIG_TYPES = (bool, int, float, str, tuple, dict, type(None))
 
@@ -26,7 +31,7 @@ CONFIG_TYPES = (bool, int, float, str, tuple, dict, type(None))
 def _unknown(key, known):
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(close)}?" if close else " See the globals at the top of train.py."
-    return ValueError(f"unknown config key '{key}'.{hint}")
+    return ConfigError(f"unknown config key '{key}'.{hint}")
 
 
 def _coerce(key, value, default):
@@ -46,7 +51,7 @@ def _coerce(key, value, default):
     else:
         ok = isinstance(value, type(default))
     if not ok:
-        raise ValueError(f"config key '{key}' expects {type(default).__name__}, got {type(value).__name__} "
+        raise ConfigError(f"config key '{key}' expects {type(default).__name__}, got {type(value).__name__} "
                          f"{value!r}; e.g. --{key}={default!r}")
     return value
 
@@ -57,22 +62,22 @@ def configure(defaults, argv):
     for arg in argv:
         if not arg.startswith('--'):  # a config file: exec it on top of the defaults
             if not os.path.isfile(arg):
-                raise FileNotFoundError(f"config file '{arg}' not found; pass a path like config/dr_grpo.py")
+                raise ConfigError(f"config file '{arg}' not found; pass a path like config/dr_grpo.py")
             scope = dict(config)
             try:
                 exec(compile(open(arg).read(), arg, 'exec'), scope)
             except SyntaxError as e:
-                raise ValueError(f"config file '{arg}' line {e.lineno}: {e.msg}") from None
+                raise ConfigError(f"config file '{arg}' line {e.lineno}: {e.msg}") from None
             for key, value in scope.items():
                 if key.startswith('_') or not isinstance(value, CONFIG_TYPES):
                     continue  # imports, helpers and _private names may live in a config file
                 if key not in config:
-                    raise ValueError(f"{arg}: {_unknown(key, config)}")
+                    raise ConfigError(f"{arg}: {_unknown(key, config)}")
                 config[key] = _coerce(key, value, defaults[key])
             continue
         key, eq, text = arg[2:].partition('=')
         if not eq:
-            raise ValueError(f"override '{arg}' has no value; write --{key}=VALUE")
+            raise ConfigError(f"override '{arg}' has no value; write --{key}=VALUE")
         if key not in config:
             raise _unknown(key, config)
         try:
@@ -87,7 +92,7 @@ def check_config(c, world_size):
     """Reject combinations that cannot work, before any work starts. c: the config dict."""
     def need(ok, msg):
         if not ok:
-            raise ValueError(msg)
+            raise ConfigError(msg)
     choices = dict(loss_type=LOSS_TYPES, scale_rewards=('group', 'batch', 'none'),
                    surrogate=('clip', 'cispo', 'sapo', 'vespo'), importance_sampling_level=('token', 'sequence'),
                    kl_estimator=('k1', 'k2', 'k3'), sampler_correction=SAMPLER_CORRECTIONS,
@@ -185,5 +190,5 @@ def check_device(device):
         (['mps'] if torch.backends.mps.is_available() else [])
     if device not in ('auto', *here) and not (device == 'cuda' and torch.cuda.is_available()):
         why = ' (this torch is built without CUDA)' if device.startswith('cuda') and torch.version.cuda is None else ''
-        raise ValueError(f"device='{device}' is not on this machine{why}; it has {', '.join(here)}: use one of "
+        raise ConfigError(f"device='{device}' is not on this machine{why}; it has {', '.join(here)}: use one of "
                          f"those or device='auto'")

@@ -18,6 +18,7 @@ import json
 import os
 import random
 
+from configurator import ConfigError
 from reward import RESERVED_COLUMNS, to_number
 
 TEST_PERCENT = 10  # share of all problems, by prompt hash, held out for evaluation
@@ -77,7 +78,7 @@ def countdown(count=(3, 4), max_number=99, max_target=100):
     'Using the numbers [44, 19, 35], create an equation that equals 28. You can use + - * / and parentheses, and
     each number exactly once. Please reason step by step, and put your final answer within \\boxed{}.'"""
     if max_target < max_number:  # a lone number is an expression too, so each must fit under the target
-        raise ValueError(f"task 'countdown' needs max_target >= max_number, got max_target={max_target} and "
+        raise ConfigError(f"task 'countdown' needs max_target >= max_number, got max_target={max_target} and "
                          f"max_number={max_number}")
     def problem(i):
         # i picks the count, then the rest of i's digits in base max_number pick the numbers: each index of the
@@ -113,13 +114,13 @@ def _task_rows(name, split, seed, size, options):
     known = inspect.signature(TASKS[name]).parameters
     for key, value in options.items():
         if key not in known:
-            raise ValueError(f"task {name!r} has no option {key!r} (task_options); its options are: "
+            raise ConfigError(f"task {name!r} has no option {key!r} (task_options); its options are: "
                              f"{', '.join(known)}")
         many = isinstance(known[key].default, tuple)
         values = tuple(value) if many and isinstance(value, (tuple, list)) else (value,)  # count=3 is count=(3,)
         if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
             kind = "a positive integer or a tuple of them" if many else "a positive integer"
-            raise ValueError(f"task_options[{key!r}] of task {name!r} must be {kind}, got {value!r}")
+            raise ConfigError(f"task_options[{key!r}] of task {name!r} must be {kind}, got {value!r}")
         options[key] = values if many else value
     count, problem = TASKS[name](**options)
     rng = random.Random(seed)
@@ -127,7 +128,7 @@ def _task_rows(name, split, seed, size, options):
     if count <= 1 << 16:
         order = rng.sample(range(count), count)  # small space: shuffle all of it, so `size` caps at what there is
     elif size > count * share // 200:  # past half of the split, draws would mostly hit problems already drawn
-        raise ValueError(f"task {name!r} with {options} has about {count * share // 100} {split} problems, too few "
+        raise ConfigError(f"task {name!r} with {options} has about {count * share // 100} {split} problems, too few "
                          f"to draw {size} distinct ones at random; ask for at most {count * share // 200} rows "
                          f"(eval_size)")
     else:
@@ -150,10 +151,10 @@ def _parse_row(line, where):
     try:
         row = json.loads(line.rstrip())  # else an error at its end points past the newline
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON "
+        raise ConfigError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON "
                          f"object like {ROW_EXAMPLE}") from None
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object like {ROW_EXAMPLE}, got a {type(row).__name__}")
+        raise ConfigError(f"{where}: expected a JSON object like {ROW_EXAMPLE}, got a {type(row).__name__}")
     if "prompt" not in row and "question" in row:  # GSM8K layout: the answer is a worked solution ending '#### 42'
         row["prompt"] = f"{row.pop('question')}\n{BOXED_INSTRUCTION}"
         if isinstance(row.get("answer"), str) and "####" in row["answer"]:
@@ -161,24 +162,24 @@ def _parse_row(line, where):
             row["answer"] = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
     for key in ("prompt", "answer"):
         if key not in row:
-            raise ValueError(f'{where}: no "{key}"; every row needs a "prompt" (or GSM8K "question") and an "answer"')
+            raise ConfigError(f'{where}: no "{key}"; every row needs a "prompt" (or GSM8K "question") and an "answer"')
     messages = isinstance(row["prompt"], list) and all(isinstance(m, dict) and {"role", "content"} <= set(m)
                                                        for m in row["prompt"])
     if not (isinstance(row["prompt"], str) or row["prompt"] and messages):
-        raise ValueError(f'{where}: "prompt" must be a string or a list of {{"role", "content"}} messages (for a '
+        raise ConfigError(f'{where}: "prompt" must be a string or a list of {{"role", "content"}} messages (for a '
                          f'chat_template), got {json.dumps(row["prompt"])[:200]}')
     if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)):
-        raise ValueError(f'{where}: "answer" must be a string or a number, got {json.dumps(row["answer"])}')
+        raise ConfigError(f'{where}: "answer" must be a string or a number, got {json.dumps(row["answer"])}')
     row["answer"] = str(row["answer"])
     for key in RESERVED_COLUMNS:
         if key in row:
-            raise ValueError(f'{where}: column "{key}" is reserved for what the rollout passes to reward functions; '
+            raise ConfigError(f'{where}: column "{key}" is reserved for what the rollout passes to reward functions; '
                              f"rename it")
     return row
 
 def _read_jsonl(path):
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file {path} not found; give the path of a .jsonl file or a built-in "
+        raise ConfigError(f"dataset file {path} not found; give the path of a .jsonl file or a built-in "
                                 f"task ({', '.join(TASKS)})")
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -186,11 +187,11 @@ def _read_jsonl(path):
             if line.strip():  # blank lines, such as a trailing one, are not rows
                 row = _parse_row(line, f"{path}:{lineno}")
                 if rows and row.keys() != rows[0].keys():  # reward functions get every column for every row
-                    raise ValueError(f"{path}:{lineno}: columns {sorted(row)} differ from the first row's "
+                    raise ConfigError(f"{path}:{lineno}: columns {sorted(row)} differ from the first row's "
                                      f"{sorted(rows[0])}; every row needs the same columns")
                 rows.append(row)
     if not rows:
-        raise ValueError(f"{path} is empty; it needs one JSON object per line, like {ROW_EXAMPLE}")
+        raise ConfigError(f"{path} is empty; it needs one JSON object per line, like {ROW_EXAMPLE}")
     return rows
 
 # -----------------------------------------------------------------------------
@@ -203,22 +204,22 @@ def load_dataset(name, split="train", seed=0, size=None, **task_options):
     - any other path ending in '.jsonl': the file is split by prompt hash, like the built-in tasks.
     A file's rows keep their order (shuffling is the trainer's job) and `size` keeps the first `size` of them."""
     if split not in DEFAULT_SIZE:
-        raise ValueError(f"unknown split {split!r}; use 'train' or 'test'")
+        raise ConfigError(f"unknown split {split!r}; use 'train' or 'test'")
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-        raise ValueError(f"size must be a positive integer or None, got {size!r}")
+        raise ConfigError(f"size must be a positive integer or None, got {size!r}")
     if name.endswith(".jsonl"):
         if task_options:
-            raise ValueError(f"task_options {task_options} apply to built-in tasks only, not to the file {name}; "
+            raise ConfigError(f"task_options {task_options} apply to built-in tasks only, not to the file {name}; "
                              f"drop task_options")
         if "{split}" in name:
             return _read_jsonl(name.replace("{split}", split))[:size]
         rows = [row for row in _read_jsonl(name) if split_of(row["prompt"]) == split]
         if not rows:
-            raise ValueError(f"{name}: none of its rows falls in the {split} split ({TEST_PERCENT}% of prompts by "
+            raise ConfigError(f"{name}: none of its rows falls in the {split} split ({TEST_PERCENT}% of prompts by "
                              f"hash are held out); add rows, or give a path like 'data/{{split}}.jsonl'")
         return rows[:size]
     if name not in TASKS:
-        raise ValueError(f"unknown dataset {name!r}; use a built-in task ({', '.join(TASKS)}) or a .jsonl path")
+        raise ConfigError(f"unknown dataset {name!r}; use a built-in task ({', '.join(TASKS)}) or a .jsonl path")
     return _task_rows(name, split, seed, DEFAULT_SIZE[split] if size is None else size, task_options)
 
 def default_reward(name, rows):

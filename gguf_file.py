@@ -21,6 +21,8 @@ import os
 import numpy as np
 import torch
 
+from configurator import ConfigError
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # tokenizer.ggml.pre names the pre-tokenizer of the tokenizer.json the file was converted from; these are those
@@ -55,14 +57,14 @@ def _reader(path):
     try:
         import gguf
     except ImportError:
-        raise ValueError(f"{path}: reading a GGUF file needs the gguf package (llama.cpp's reader): pip install gguf "
+        raise ConfigError(f"{path}: reading a GGUF file needs the gguf package (llama.cpp's reader): pip install gguf "
                          f"(or pip install -r requirements-extra.txt)") from None
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: give the path of a .gguf file")
+        raise ConfigError(f"{path} not found: give the path of a .gguf file")
     try:
         return gguf, gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, struct and numpy errors on a damaged file
-        raise ValueError(f"{path} cannot be read as GGUF ({type(e).__name__}: {e}); the file is damaged or not "
+        raise ConfigError(f"{path} cannot be read as GGUF ({type(e).__name__}: {e}); the file is damaged or not "
                          f"GGUF: download it again") from None
 
 def _metadata(path, key, default=None):
@@ -72,13 +74,13 @@ def _metadata(path, key, default=None):
 def _need(path, key):
     value = _metadata(path, key)
     if value is None:
-        raise ValueError(f"{path}: metadata {key!r} is missing; the GGUF is incomplete, convert the model again")
+        raise ConfigError(f"{path}: metadata {key!r} is missing; the GGUF is incomplete, convert the model again")
     return value
 
 def _architecture(path):
     arch = _need(path, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: architecture {arch!r} is not supported; nanoGRPO reads GGUF files of "
+        raise ConfigError(f"{path}: architecture {arch!r} is not supported; nanoGRPO reads GGUF files of "
                          f"{', '.join(ARCHITECTURES)}")
     return arch
 
@@ -96,7 +98,7 @@ def _llama3_rope(path, freqs, theta, head_dim):
     smooth = np.clip((8192 / wavelen - 1.0) / 3.0, 0, 1)
     divisor = 1 / ((1 - smooth) / rope["factor"] + smooth)
     if freqs.shape != divisor.shape or not np.allclose(freqs, divisor, rtol=1e-4):  # float32 in the file
-        raise ValueError(f"{path}: its rope_freqs are not Llama-3.1's rope scaling; only that one is supported")
+        raise ConfigError(f"{path}: its rope_freqs are not Llama-3.1's rope scaling; only that one is supported")
     return rope
 
 def _hf_name(name):
@@ -114,7 +116,7 @@ def read_model(path):
     tensors = {t.name: t for t in reader.tensors}
     for t in tensors.values():
         if t.tensor_type.name not in QUANTS:
-            raise ValueError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}, which is not supported; nanoGRPO "
+            raise ConfigError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}, which is not supported; nanoGRPO "
                              f"dequantizes {', '.join(QUANTS)}: use a GGUF of one of those")
     def key(name, default=None):
         return _metadata(path, f"{arch}.{name}", default)
@@ -124,7 +126,7 @@ def read_model(path):
     head_dim = key("attention.key_length", hidden // heads)
     theta = float(key("rope.freq_base", 10000.0))
     if key("rope.scaling.type", "none") not in ("none", "linear") or key("rope.scaling.factor", 1.0) != 1.0:
-        raise ValueError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported; nanoGRPO does "
+        raise ConfigError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported; nanoGRPO does "
                          f"Llama-3.1's (rope_freqs) and none")
     freqs = tensors.get("rope_freqs.weight")  # Llama-3.1's scaling, as llama.cpp stores it
     rope = None if freqs is None else _llama3_rope(path, gguf.quants.dequantize(freqs.data, freqs.tensor_type), theta,
@@ -161,10 +163,10 @@ def tokenizer_json(path):
     that are not special, and tokenizer.ggml.pre picks the normalizer and pre-tokenizer."""
     kind, pre = _need(path, "tokenizer.ggml.model"), _metadata(path, "tokenizer.ggml.pre", "default")
     if kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer.ggml.model {kind!r} is not a byte-level BPE ('gpt2'); nanoGRPO reads "
+        raise ConfigError(f"{path}: tokenizer.ggml.model {kind!r} is not a byte-level BPE ('gpt2'); nanoGRPO reads "
                          f"only those")
     if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; nanoGRPO reproduces "
+        raise ConfigError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; nanoGRPO reproduces "
                          f"{', '.join(PRE_TOKENIZERS)}")
     tokens, types = _need(path, "tokenizer.ggml.tokens"), _need(path, "tokenizer.ggml.token_type")
     added = [dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False,

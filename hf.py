@@ -19,6 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
+from configurator import ConfigError
+
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "mistral": "MistralForCausalLM"}  # model_type -> architecture
 GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -35,12 +37,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def read_json(file, missing, fix):
     """The JSON object in file; FileNotFoundError `missing` if there is none, ValueError `fix` if it is not JSON."""
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file} not found: {missing}")
+        raise ConfigError(f"{file} not found: {missing}")
     try:
         with open(file) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); {fix}") from None
+        raise ConfigError(f"{file} is not valid JSON ({e}); {fix}") from None
 
 def read_config(path):
     """(GPTConfig fields, the checkpoint's dtype) from path/config.json, either transformers' 4 or 5 layout."""
@@ -57,18 +59,18 @@ def parse_config(hf, file):
     elif kind in FAMILIES:
         fields = _llama_config(hf, file)
     else:
-        raise ValueError(f"{file}: model_type {kind!r} is not supported; nanoGRPO reads 'gpt2', "
+        raise ConfigError(f"{file}: model_type {kind!r} is not supported; nanoGRPO reads 'gpt2', "
                          f"{', '.join(map(repr, FAMILIES))}")
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"  # transformers 5 renamed torch_dtype
     if name not in DTYPES:
-        raise ValueError(f"{file}: dtype {name!r} is not one of {', '.join(DTYPES)}; set dtype (or torch_dtype) to "
+        raise ConfigError(f"{file}: dtype {name!r} is not one of {', '.join(DTYPES)}; set dtype (or torch_dtype) to "
                          f"the weights' own")
     return dict(fields, hf_config=hf), DTYPES[name]
 
 def _need(hf, file, *keys):
     for k in keys:
         if hf.get(k) is None:
-            raise ValueError(f"{file}: missing key {k!r}; use the config.json that came with the weights")
+            raise ConfigError(f"{file}: missing key {k!r}; use the config.json that came with the weights")
 
 def _gpt2_config(hf, file):
     hf = dict(hf, n_positions=hf.get("n_positions") or hf.get("n_ctx"))  # the oldest configs name it n_ctx only
@@ -77,7 +79,7 @@ def _gpt2_config(hf, file):
     if (hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh")
             or hf.get("layer_norm_epsilon", 1e-5) != 1e-5 or hf.get("n_inner") not in (None, 4 * hf["n_embd"])
             or hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("tie_word_embeddings", True)):
-        raise ValueError(f"{file}: unsupported GPT-2 variant (needs activation gelu_new, "
+        raise ConfigError(f"{file}: unsupported GPT-2 variant (needs activation gelu_new, "
                          f"layer_norm_epsilon 1e-5, n_inner 4*n_embd, tied embeddings, unscaled attention)")
     return dict(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
                 n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True)
@@ -92,17 +94,17 @@ def _llama_config(hf, file):
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"{file}: rope type {rope_type!r} is not supported; nanoGRPO does 'default' and 'llama3'")
+        raise ConfigError(f"{file}: rope type {rope_type!r} is not supported; nanoGRPO does 'default' and 'llama3'")
     if rope_type == "llama3" and any(rope.get(k) is None for k in LLAMA3_ROPE):
-        raise ValueError(f"{file}: llama3 rope scaling needs {', '.join(LLAMA3_ROPE)}")
+        raise ConfigError(f"{file}: llama3 rope scaling needs {', '.join(LLAMA3_ROPE)}")
     window = hf.get("sliding_window")  # Qwen2/3 carry one with use_sliding_window false; Mistral's is on if set
     windowed = hf.get("use_sliding_window", kind == "mistral") and window is not None and \
         window < hf["max_position_embeddings"]
     if windowed or any(t != "full_attention" for t in hf.get("layer_types") or ()):
-        raise ValueError(f"{file}: sliding-window attention is on (sliding_window={window}), and nanoGRPO only "
+        raise ConfigError(f"{file}: sliding-window attention is on (sliding_window={window}), and nanoGRPO only "
                          f"attends to the full context; use a checkpoint with full attention in every layer")
     if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias") or heads % kv_heads:
-        raise ValueError(f"{file}: unsupported {kind} variant (needs hidden_act silu, no mlp_bias, "
+        raise ConfigError(f"{file}: unsupported {kind} variant (needs hidden_act silu, no mlp_bias, "
                          f"num_attention_heads a multiple of num_key_value_heads)")
     return dict(model_type=kind, block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
                 n_layer=hf["num_hidden_layers"], n_head=heads, n_embd=hf["hidden_size"], n_kv_head=kv_heads,
@@ -175,15 +177,15 @@ def _files(path):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {e}); restore it "
+            raise ConfigError(f"{index} is not a safetensors index ({type(e).__name__}: {e}); restore it "
                              f"from the model's original files") from None
         files = [os.path.join(path, shard) for shard in sorted(set(weight_map.values()))]
         for file in files:
             if not os.path.isfile(file):
-                raise FileNotFoundError(f"{index} names the shard {os.path.basename(file)}, but {file} is missing; "
+                raise ConfigError(f"{index} names the shard {os.path.basename(file)}, but {file} is missing; "
                                         f"download the checkpoint's files again")
         return files, index, weight_map
-    raise FileNotFoundError(f"{single} not found (nor {os.path.basename(index)}): from_pretrained needs a Hugging "
+    raise ConfigError(f"{single} not found (nor {os.path.basename(index)}): from_pretrained needs a Hugging "
                             f"Face model directory with config.json and its safetensors weights")
 
 def _tensors(files, index, weight_map):
@@ -196,15 +198,15 @@ def _tensors(files, index, weight_map):
                 names = list(f.keys())
                 for name in names:
                     if weight_map is not None and weight_map.get(name) != shard:
-                        raise ValueError(f"{file}: holds tensor {name!r}, but {index} maps it to "
+                        raise ConfigError(f"{file}: holds tensor {name!r}, but {index} maps it to "
                                          f"{weight_map.get(name)!r}: the index and the shards disagree; download "
                                          f"the checkpoint's files again")
                     yield name, file, f.get_tensor(name)
         except SafetensorError as e:  # truncated, or not a safetensors file at all
-            raise ValueError(f"{file} cannot be read ({e}); the file is damaged or not safetensors: "
+            raise ConfigError(f"{file} cannot be read ({e}); the file is damaged or not safetensors: "
                              f"restore it or save the model again") from None
         for name in [n for n, s in (weight_map or {}).items() if s == shard and n not in names]:
-            raise ValueError(f"{index} maps tensor {name!r} to {shard}, which does not hold it: the index and the "
+            raise ConfigError(f"{index} maps tensor {name!r} to {shard}, which does not hold it: the index and the "
                              f"shards disagree; download the checkpoint's files again")
 
 def load_weights(path, cfg, ours, tensors=None):
@@ -227,23 +229,23 @@ def load_weights(path, cfg, ours, tensors=None):
             heads.append((file, t))  # a tied output layer stored anyway: checked against the embedding below
             continue
         if name not in where:
-            raise ValueError(f"{file}: unexpected tensor {key!r}, not part of a {cfg.model_type} of its config.json; "
+            raise ConfigError(f"{file}: unexpected tensor {key!r}, not part of a {cfg.model_type} of its config.json; "
                              f"use the config.json that came with these weights")
         ours_name, row, rows, transposed = where[name]
         dest = ours[ours_name].narrow(0, row, rows)
         expected = dest.t().shape if transposed else dest.shape
         if t.shape != expected:
-            raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(expected)} "
+            raise ConfigError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(expected)} "
                              f"from config.json; the config and the weights are of different models")
         dest.copy_(t.t() if transposed else t)
         loaded.add(name)
     missing = sorted(set(where) - loaded)
     if missing:
-        raise ValueError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing in all); the "
+        raise ConfigError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing in all); the "
                          f"checkpoint is incomplete: download or save it again")
     for file, head in heads:
         if not torch.equal(head.to(ours["lm_head.weight"].dtype), ours["lm_head.weight"]):
-            raise ValueError(f"{file}: lm_head.weight differs from the token embedding, but config.json ties them "
+            raise ConfigError(f"{file}: lm_head.weight differs from the token embedding, but config.json ties them "
                              f"(tie_word_embeddings); fix one of the two")
 
 def save_weights(path, cfg, state_dict, max_shard_size):

@@ -18,6 +18,8 @@ import numbers
 import re
 from fractions import Fraction
 
+from configurator import ConfigError
+
 # names the rollout passes to reward functions itself, so a dataset column may not use them
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_completion_length", "truncated")
 
@@ -174,12 +176,12 @@ def soft_overlong_punishment(cache_length=None, max_completion_length=None):
     penalty growing linearly to -1 at L_max tokens, and -1 beyond. L_max defaults to the rollout's
     max_completion_length and L_cache to a fifth of it (DAPO used 4096 of 20480). Lengths count the eos if sampled."""
     if cache_length is not None and cache_length < 1:
-        raise ValueError(f"cache_length must be at least 1 token, got {cache_length}")
+        raise ConfigError(f"cache_length must be at least 1 token, got {cache_length}")
     def overlong(prompts, completions, completion_ids, **columns):
         l_max = columns["max_completion_length"] if max_completion_length is None else max_completion_length
         l_cache = max(1, l_max // 5) if cache_length is None else cache_length
         if l_cache > l_max:
-            raise ValueError(f"cache_length ({l_cache}) must not exceed max_completion_length ({l_max})")
+            raise ConfigError(f"cache_length ({l_cache}) must not exceed max_completion_length ({l_max})")
         # DAPO (Yu et al. 2025) eq. 13: R(y) = 0 if |y| <= L_max - L_cache,
         # ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max, and -1 if |y| > L_max
         return [max(-1.0, min(0.0, (l_max - l_cache - len(ids)) / l_cache)) for ids in completion_ids]
@@ -204,14 +206,14 @@ def get_reward_fns(names):
             try:
                 fn = getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError) as e:
-                raise ValueError(f"reward function {name!r} cannot be imported ({e}); put {module}.py on the "
+                raise ConfigError(f"reward function {name!r} cannot be imported ({e}); put {module}.py on the "
                                  f"Python path (e.g. the directory you run from) with a function {attr}") from None
             if not callable(fn):
-                raise ValueError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
+                raise ConfigError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
         elif name in REWARD_FNS:
             fn = REWARD_FNS[name]
         else:
-            raise ValueError(f"unknown reward function {name!r}; valid names: {', '.join(REWARD_FNS)}, "
+            raise ConfigError(f"unknown reward function {name!r}; valid names: {', '.join(REWARD_FNS)}, "
                              f"or 'module:function' for your own")
         fns.append(fn)
     return fns
@@ -249,22 +251,22 @@ def _call(fn, prompts, completions, columns):
     except Exception as e:
         c, e_one = _culprit(fn, prompts, completions, columns)
         if e_one is None:
-            raise ValueError(f"reward function {name} raised {_one_line(e)} on a batch of {n} completions "
+            raise ConfigError(f"reward function {name} raised {_one_line(e)} on a batch of {n} completions "
                              f"(but on none of them alone), e.g. {_show(completions[0])}") from e
-        raise ValueError(f"reward function {name} raised {_one_line(e_one)} on completion {_show(c)}") from e_one
+        raise ConfigError(f"reward function {name} raised {_one_line(e_one)} on completion {_show(c)}") from e_one
     if not isinstance(values, list):
-        raise ValueError(f"reward function {name} returned a {type(values).__name__}, expected a list of {n} floats "
+        raise ConfigError(f"reward function {name} returned a {type(values).__name__}, expected a list of {n} floats "
                          f"(or None), one per completion, e.g. for {_show(completions[0])}")
     if len(values) != n:
         c, _ = _culprit(fn, prompts, completions, columns)
         where = f"; called alone on completion {_show(c)} it does not return one value" if c is not None else ""
-        raise ValueError(f"reward function {name} returned {len(values)} values for {n} completions{where}")
+        raise ConfigError(f"reward function {name} returned {len(values)} values for {n} completions{where}")
     for v, c in zip(values, completions):
         if v is not None and not isinstance(v, numbers.Real):
-            raise ValueError(f"reward function {name} returned {_show(v)} (a {type(v).__name__}) for completion "
+            raise ConfigError(f"reward function {name} returned {_show(v)} (a {type(v).__name__}) for completion "
                              f"{_show(c)}; a reward must be a number or None")
         if v is not None and not math.isfinite(v):
-            raise ValueError(f"reward function {name} returned {v} for completion {_show(c)}; a reward must be finite")
+            raise ConfigError(f"reward function {name} returned {v} for completion {_show(c)}; a reward must be finite")
     return [None if v is None else float(v) for v in values]
 
 def compute_rewards(reward_fns, weights, prompts, completions, columns):
@@ -273,14 +275,14 @@ def compute_rewards(reward_fns, weights, prompts, completions, columns):
     (a function saying None is left out rather than counted as a 0 that would drag a mean down); per_function
     maps each function's __name__ to its raw, unweighted values, for logging."""
     if len(weights) != len(reward_fns):
-        raise ValueError(f"{len(reward_fns)} reward functions but {len(weights)} weights; give one weight per function")
+        raise ConfigError(f"{len(reward_fns)} reward functions but {len(weights)} weights; give one weight per function")
     names = [fn.__name__ for fn in reward_fns]
     for name in names:
         if names.count(name) > 1:
-            raise ValueError(f"two reward functions are named {name!r}; give them distinct __name__s for the logs")
+            raise ConfigError(f"two reward functions are named {name!r}; give them distinct __name__s for the logs")
     for key, value in [("prompts", prompts)] + list(columns.items()):
         if isinstance(value, list) and len(value) != len(completions):
-            raise ValueError(f"{key} has {len(value)} entries for {len(completions)} completions; they must align")
+            raise ConfigError(f"{key} has {len(value)} entries for {len(completions)} completions; they must align")
     per_function = {fn.__name__: _call(fn, prompts, completions, columns) for fn in reward_fns}
     total = []
     for i in range(len(completions)):

@@ -30,6 +30,7 @@ import tiktoken
 from tiktoken.core import raise_disallowed_special_token
 
 import gguf_file
+from configurator import ConfigError
 
 # the pre-tokenizer regex of GPT-2's ByteLevel(use_regex=true)
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -214,7 +215,7 @@ def _pattern(pre, refuse):
 def _from_json(tok, file):
     """The HFEncoding of a parsed tokenizer.json, after checking what makes tiktoken exact."""
     def refuse(problem):
-        raise ValueError(f"{file}: {problem}")
+        raise ConfigError(f"{file}: {problem}")
 
     model, normalizer = tok["model"], tok.get("normalizer")
     if model.get("type") != "BPE":
@@ -313,12 +314,12 @@ def get_tokenizer(name):
         try:
             return tiktoken.get_encoding("gpt2")
         except Exception as e:  # no network and no cache: requests' errors, tiktoken's own, ...
-            raise ValueError(f"tokenizer 'gpt2' needs tiktoken's GPT-2 files, which it downloads on first use, and "
+            raise ConfigError(f"tokenizer 'gpt2' needs tiktoken's GPT-2 files, which it downloads on first use, and "
                              f"that failed ({type(e).__name__}); set tokenizer= to the checkpoint's tokenizer.json or "
                              f"its directory instead") from None
     if os.path.exists(name):
         return load_hf_tokenizer(name)
-    raise ValueError(f"unknown tokenizer {name!r}; use 'bytes' (built in, no download), 'gpt2', a Hugging Face "
+    raise ConfigError(f"unknown tokenizer {name!r}; use 'bytes' (built in, no download), 'gpt2', a Hugging Face "
                      f"tokenizer.json or the directory that holds it, or a .gguf file")
 
 def stop_ids(enc, template="none", path=None):
@@ -346,14 +347,14 @@ TEMPLATE_TOKENS = {"none": (), "chatml": ("<|im_start|>", "<|im_end|>"),
 
 def _template_tokens(template):
     if template not in TEMPLATE_TOKENS:
-        raise ValueError(f"chat_template {template!r} is not one of {list(TEMPLATE_TOKENS)}")
+        raise ConfigError(f"chat_template {template!r} is not one of {list(TEMPLATE_TOKENS)}")
     return TEMPLATE_TOKENS[template]
 
 def check_template(enc, template):
     """Refuse a chat template whose special tokens `enc` lacks: their text would be tokenized as plain text."""
     missing = [t for t in _template_tokens(template) if t not in enc.special_tokens_set]
     if missing:
-        raise ValueError(f"chat_template {template!r} needs the special tokens {missing}, which tokenizer "
+        raise ConfigError(f"chat_template {template!r} needs the special tokens {missing}, which tokenizer "
                          f"{enc.name!r} lacks; use the template of the model's own tokenizer, or 'none'")
 
 def _messages(prompt):
@@ -361,17 +362,17 @@ def _messages(prompt):
     if isinstance(prompt, str):
         return [dict(role="user", content=prompt)]
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError(f"a prompt is a string or a non-empty list of messages, not {prompt!r:.100}")
+        raise ConfigError(f"a prompt is a string or a non-empty list of messages, not {prompt!r:.100}")
     for i, m in enumerate(prompt):
         if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            raise ValueError(f"prompt message {i} is not a dict with the keys 'role' and 'content' only: {m!r:.100}")
+            raise ConfigError(f"prompt message {i} is not a dict with the keys 'role' and 'content' only: {m!r:.100}")
         if m["role"] not in ("system", "user", "assistant"):
-            raise ValueError(f"prompt message {i} has role {m['role']!r}, not 'system', 'user' or 'assistant'")
+            raise ConfigError(f"prompt message {i} has role {m['role']!r}, not 'system', 'user' or 'assistant'")
         if not isinstance(m["content"], str):
-            raise ValueError(f"prompt message {i} has content of type {type(m['content']).__name__}, not str")
+            raise ConfigError(f"prompt message {i} has content of type {type(m['content']).__name__}, not str")
     # the model answers the last message; after an assistant one, Qwen3's template would also add a <think> block
     if prompt[-1]["role"] != "user":
-        raise ValueError(f"the last prompt message is from {prompt[-1]['role']!r}: it must be the user's, to answer")
+        raise ConfigError(f"the last prompt message is from {prompt[-1]['role']!r}: it must be the user's, to answer")
     return prompt
 
 def render_chat(prompt, template, system_prompt=None, enable_thinking=None):
@@ -394,12 +395,12 @@ def render_chat(prompt, template, system_prompt=None, enable_thinking=None):
     _template_tokens(template)
     if template == "none":
         if not isinstance(prompt, str):
-            raise ValueError("the prompt is a list of messages: set chat_template to 'chatml' or 'llama3' to render it")
+            raise ConfigError("the prompt is a list of messages: set chat_template to 'chatml' or 'llama3' to render it")
         if system_prompt is not None or enable_thinking is not None:
-            raise ValueError("system_prompt and enable_thinking need chat_template 'chatml' or 'llama3', not 'none'")
+            raise ConfigError("system_prompt and enable_thinking need chat_template 'chatml' or 'llama3', not 'none'")
         return prompt
     if enable_thinking is not None and template != "chatml":
-        raise ValueError(f"enable_thinking is Qwen3's switch (chat_template 'chatml'); {template!r} has none")
+        raise ConfigError(f"enable_thinking is Qwen3's switch (chat_template 'chatml'); {template!r} has none")
     messages = _messages(prompt)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [dict(role="system", content=system_prompt), *messages]

@@ -33,7 +33,7 @@ import checkpoint
 import gguf_file
 import lora
 import parallelism
-from configurator import check_config, check_device, configure
+from configurator import ConfigError, check_config, check_device, configure
 from data import default_reward, load_dataset
 from evaluate import evaluate
 from loss import entropy_threshold, grpo_loss
@@ -159,7 +159,7 @@ peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at st
 
 
 def _user_error(kind, value, tb):  # bad input is one line, a bug keeps its traceback
-    if issubclass(kind, (ValueError, FileNotFoundError)):
+    if issubclass(kind, ConfigError):
         print(f"error: {value}", file=sys.stderr)
     else:
         sys.__excepthook__(kind, value, tb)
@@ -194,11 +194,11 @@ if sft_iters is None:
 check_config(config, world_size)
 state = checkpoint.load_state(out_dir) if init_from == 'resume' else None
 if parallel == 'fsdp' and not distributed:
-    raise ValueError("parallel='fsdp' shards over torchrun's processes: launch with torchrun (--nproc_per_node=1 "
+    raise ConfigError("parallel='fsdp' shards over torchrun's processes: launch with torchrun (--nproc_per_node=1 "
                      "for one GPU), or use parallel='ddp'")
 was = (state['config'].get('parallel', 'ddp'), state.get('world_size', world_size)) if state else None
 if state and 'fsdp' in (parallel, was[0]) and was != (parallel, world_size):  # the optimizer state is in shards
-    raise ValueError(f"{state['dir']} was written with parallel='{was[0]}' on {was[1]} rank(s); resume it with "
+    raise ConfigError(f"{state['dir']} was written with parallel='{was[0]}' on {was[1]} rank(s); resume it with "
                      f"--parallel={was[0]} and torchrun --nproc_per_node={was[1]} (this run: '{parallel}', "
                      f"{world_size} rank(s))")
 if not tokenizer:  # the checkpoint's own; a resumed run keeps the one it started with
@@ -231,7 +231,7 @@ if wandb_log:
     try:
         import wandb  # optional: only when asked for
     except ImportError:
-        raise ValueError("wandb_log=True needs the wandb package: pip install wandb (or pip install -r "
+        raise ConfigError("wandb_log=True needs the wandb package: pip install wandb (or pip install -r "
                          "requirements-extra.txt), or drop wandb_log") from None
 train_rows = load_dataset(task, 'train', seed=seed, **task_options)
 test_rows = load_dataset(test_task or task, 'test', seed=seed, size=eval_size, **task_options)
@@ -239,12 +239,12 @@ names, weights = (reward_funcs, reward_weights or (1.0,) * len(reward_funcs)) if
     default_reward(task, train_rows)
 reward_fns, reward_weights = get_reward_fns(names), list(weights)  # the first one is the accuracy of the logs
 if len(train_rows) < prompts_per_step:
-    raise ValueError(f"{task} has {len(train_rows)} prompts but prompts_per_step={prompts_per_step}; "
+    raise ConfigError(f"{task} has {len(train_rows)} prompts but prompts_per_step={prompts_per_step}; "
                      f"lower prompts_per_step or add data")
 for rows, name in ((train_rows, task), (test_rows, test_task or task)):
     longest = max(len(encode_prompt(r['prompt'], cfg, enc)) for r in rows)
     if longest + max_completion_length > block_size:
-        raise ValueError(f"{name}: longest prompt is {longest} tokens, + max_completion_length={max_completion_length} "
+        raise ConfigError(f"{name}: longest prompt is {longest} tokens, + max_completion_length={max_completion_length} "
                          f"> block_size={block_size}; shorten prompts or max_completion_length, or raise block_size")
 
 
@@ -258,10 +258,10 @@ else:  # under FSDP only rank 0 reads the weights; the others build the shape al
     model = GPT.from_pretrained(state['dir'] if init_from == 'resume' else init_from, dtype=param_dtype,
                                 device='meta' if fsdp and not master else None)
 if model.config.vocab_size < enc.n_vocab:
-    raise ValueError(f"the model's vocab_size {model.config.vocab_size} < tokenizer '{tokenizer}' n_vocab "
+    raise ConfigError(f"the model's vocab_size {model.config.vocab_size} < tokenizer '{tokenizer}' n_vocab "
                      f"{enc.n_vocab}; pick the tokenizer the model was trained with")
 if model.config.block_size < block_size:
-    raise ValueError(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower block_size")
+    raise ConfigError(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower block_size")
 model.to(device=None if fsdp else device, dtype=param_dtype)
 model.gradient_checkpointing = gradient_checkpointing
 if lora_rank:  # the adapters' random A is drawn from the seeded generator: the same on every rank

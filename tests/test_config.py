@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from configurator import check_config, configure
+from configurator import ConfigError, check_config, configure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,7 +52,7 @@ def test_overrides_are_typed():
     (['nope.py'], "config file 'nope.py' not found"),
 ])
 def test_bad_command_lines(argv, message):
-    with pytest.raises((ValueError, FileNotFoundError), match=message.replace('(', r'\(').replace(')', r'\)')):
+    with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
         configure(DEFAULTS, argv)
 
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from configurator import ConfigError
 from data import default_reward, load_dataset, split_of
 from reward import compute_rewards, get_reward_fns
 from tokenizer import get_tokenizer
@@ -212,7 +213,7 @@ def test_empty_and_missing_files(tmp_path):
     with pytest.raises(ValueError, match=f"{path} is empty; it needs one JSON object per line, like"):
         load_dataset(path)
     missing = str(tmp_path / "nope.jsonl")
-    with pytest.raises(FileNotFoundError, match=f"dataset file {missing} not found; give the path of a .jsonl file "
+    with pytest.raises(ConfigError, match=f"dataset file {missing} not found; give the path of a .jsonl file "
                                                 f"or a built-in task \\(addition, sort, countdown, times_table\\)"):
         load_dataset(missing)
 

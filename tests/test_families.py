@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import engine
 import model as model_module
+from configurator import ConfigError
 from model import GPT, GPTConfig, rope_frequencies
 from test_model import PROMPTS, brute_logprobs, record_logits, uncached_generate
 
@@ -321,7 +322,7 @@ def test_bad_checkpoint_is_one_clear_line(case, tmp_path):
     name, damage, error = BAD[case]
     path = copy(os.path.join(FIXTURES, name), tmp_path)
     damage(path)
-    with pytest.raises((ValueError, FileNotFoundError), match=error) as e:
+    with pytest.raises(ConfigError, match=error) as e:
         GPT.from_pretrained(path)
     assert "\n" not in str(e.value)
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import engine
+from configurator import ConfigError
 from head import HeadLogprobs, _buffers
 from model import GPT, GPTConfig
 from sampling import sample
@@ -599,11 +600,11 @@ def test_bad_checkpoints_fail_clearly(tmp_path, edit_config, edit_tensors, error
         GPT.from_pretrained(broken_copy(tmp_path, edit_config, edit_tensors))
 
 def test_missing_files_fail_clearly(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json not found"):
+    with pytest.raises(ConfigError, match="config.json not found"):
         GPT.from_pretrained(tmp_path)
     path = broken_copy(tmp_path)
     os.remove(path / "model.safetensors")
-    with pytest.raises(FileNotFoundError, match="model.safetensors not found"):
+    with pytest.raises(ConfigError, match="model.safetensors not found"):
         GPT.from_pretrained(path)
 
 def test_loads_unprefixed_keys_and_skips_mask_buffers(tmp_path, tiny, reference):
