@@ -4,21 +4,16 @@ once straight into the cache rows of its samples (as nanochat's engine does), th
 token a step with GPT.decode.
 
 The cache is allocated once for a call's batch and sequence and never moved (finished rows are dropped by copying
-the live ones into its first rows). With model.decode_graphs it is also kept across calls (grown to the largest
-batch and sequence seen), so a decode step reads and writes the same addresses from call to call, which is what a
-CUDA graph needs: each step's kernels are captured once per (rows, attended width) and replayed, with no Python,
-dispatch or launch cost. Without graphs it is freed when the call returns, leaving its memory to the update (10 GB
-for Qwen2.5-3B on Countdown). Measured on an H200 (docs/h200/decode_graph.json): a Qwen2.5-0.5B decode step at 64
-rows takes 22.1 ms eagerly, of which 83% is host overhead, and 3.8 ms replayed. Under autocast the replayed steps
-read half-precision copies of the weights (half_weights), since a graph cannot keep autocast's cache of casts. On
-the CPU the same code runs with the step called where a graph would replay.
-A graph replays the kernels the step launched at capture, not the Python that chose them: so the switches a step
-reads in Python, LoRA's `active` adapters (off when merged or for the reference), are part of a graph's key.
+the live ones into its first rows), and freed when the call returns, leaving its memory to the update. With
+model.decode_graphs (train.py's cuda_graphs) the steps are replayed as CUDA graphs instead (cuda_graphs.py), and the
+cache is kept across calls, grown to the largest batch and sequence seen, since a graph reads the addresses it was
+captured with.
 """
 import weakref
 
 import torch
 
+import cuda_graphs
 from sampling import sample
 
 _CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the module, so state_dict and deepcopy skip it
@@ -53,8 +48,9 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
 def static_cache(model, N, S, dtype, device):
     """The model's KV cache with at least N rows and S columns: per layer keys and values (rows, nkv, cols, hs),
     and a key mask (rows, cols). With graphs, kept for the next call and grown (to the largest rows and columns
-    asked so far, its graphs dropped) only when a call needs more. Zeros, not empty: masked columns get attention
-    weight 0, and 0 * NaN garbage would still be NaN; after that only the model's own keys and values are written."""
+    asked so far; cuda_graphs keeps its graphs in it, so they go with it) only when a call needs more. Zeros, not
+    empty: masked columns get attention weight 0, and 0 * NaN garbage would still be NaN; after that only the
+    model's own keys and values are written."""
     cfg, c = model.config, _CACHES.get(model)
     if c is None or c["kv"][0][0].shape[0] < N or c["kv"][0][0].shape[2] < S or c["kv"][0][0].dtype != dtype or \
             c["kv"][0][0].device != device:
@@ -62,79 +58,8 @@ def static_cache(model, N, S, dtype, device):
         _CACHES.pop(model, None)  # free the old one before allocating the new
         c = _CACHES[model] = dict(
             kv=[[torch.zeros(rows, cfg.n_kv_head, cols, cfg.head_dim, dtype=dtype, device=device) for _ in "kv"]
-                for _ in range(cfg.n_layer)], mask=torch.zeros(rows, cols, dtype=torch.bool, device=device),
-            graphs={}, pool=torch.cuda.graph_pool_handle() if device.type == "cuda" else None, weights=None,
-            half={})
-    if model.decode_graphs:  # a graph reads the weights where they were at capture
-        weights = [p.data_ptr() for p in model.parameters()]
-        if weights != c["weights"]:
-            c["graphs"], c["weights"], c["half"] = {}, weights, {}
+                for _ in range(cfg.n_layer)], mask=torch.zeros(rows, cols, dtype=torch.bool, device=device))
     return c
-
-
-def half_weights(model, cache, dtype):
-    """Under autocast, for the graphs: copies in autocast's dtype of the weights and biases of every layer that
-    multiplies (not the embeddings, not the norms; the output layer by its own name even when tied to the
-    embedding), refreshed from the parameters at each call (the optimizer has changed them) into the same tensors,
-    whose addresses the graphs hold. Eagerly, autocast casts each weight once per autocast block and keeps the cast;
-    a graph cannot keep that cache, so without these it would cast every weight at every step: read 4 bytes and
-    write 2 per parameter before the matmul reads its 2. The copies hold exactly autocast's casts."""
-    half = cache["half"]
-    if not half or next(iter(half.values())).dtype != dtype:
-        half.clear()
-        for name, m in model.named_modules():
-            own = list(m.named_parameters(recurse=False))
-            if not isinstance(m, torch.nn.Embedding) and any(p.dim() == 2 for _, p in own):
-                half.update({".".join(filter(None, ("model", name, n))): p.to(dtype) for n, p in own})
-        cache["graphs"] = {}  # captured reading other copies
-        return half
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, w in half.items():
-        w.copy_(params[name[len("model."):]])
-    return half
-
-
-class _Step(torch.nn.Module):
-    """functional_call runs a module's forward: this one's is the model's decode step."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, **inputs):
-        return self.model.decode(**inputs)
-
-
-def _step(model, half, **inputs):
-    """model.decode(**inputs), reading the copies in half instead of the parameters of those names."""
-    if not half:
-        return model.decode(**inputs)
-    return torch.func.functional_call(_Step(model), half, (), inputs, tie_weights=False)
-
-
-def _capture(fn, cache):
-    """fn() as a graph: returns run(), which replays fn's kernels and returns its outputs, the same tensors each
-    time, overwritten. fn must only read tensors that outlive the graph (the cache, the weights, static inputs). Off
-    CUDA run() calls fn and copies its outputs into the first call's, so the CPU tests run this same code path."""
-    if cache["pool"] is None:
-        out = fn()
-        return lambda: [o.copy_(new) for o, new in zip(out, fn())]
-    side = torch.cuda.Stream()  # warm-up off the capture stream (lazy initialisations, torch.compile's compile)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # writes the cache column the replay will write again, with the same values
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # autocast's cache of bf16 weight copies lives only as long as the caller's autocast block: the graph must cast
-    # the weights itself, into its own memory
-    with torch.autocast("cuda", torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"),
-                        cache_enabled=False), torch.cuda.graph(graph, pool=cache["pool"]):
-        out = fn()
-
-    def run():
-        graph.replay()
-        return out
-    return run
 
 
 def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_id, generator):
@@ -171,9 +96,7 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     cols = torch.arange(P, S, device=dev)  # the cache column of each step's input token, the same for every row
     check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
     graphs = model.decode_graphs
-    autocast = torch.is_autocast_enabled(dev.type) and dtype != model.lm_head.weight.dtype
-    half = half_weights(model, cache, dtype) if graphs and autocast else {}
-    switches = tuple(m.active for m in model.modules() if hasattr(m, "active"))  # LoRA's adapters on or off
+    decode = cuda_graphs.decoder(model, cache, dtype) if graphs else model.decode
     # a step attends over the cache columns written so far, rounded up to a multiple of 64 (a few shapes for a
     # compiled step or a graph): reading the keys and values is most of a decode step's time outside the matmuls
     width = 0
@@ -201,23 +124,8 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
         if P + t + 1 > width:
             width = min(S, (P + t + 64) // 64 * 64)  # S, not the cache's columns: the same sums, call to call
             step_kv, step_mask = [(k[:, :, :width], v[:, :, :width]) for k, v in kv], key_mask[:, :width]
-        inputs = dict(tok=tok, pos=lens + t, col=cols[t:t + 1], u=u[t + 1].index_select(0, live))
-        if not graphs:
-            tok, lp = model.decode(kv=step_kv, key_mask=step_mask, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   **inputs)
-            continue
-        key = (len(tok), width, temperature, top_k, top_p, dtype, switches)
-        if key not in cache["graphs"]:
-            static = {name: x.clone() for name, x in inputs.items()}  # the inputs every replay reads
-            # bound now, not at call; the model through a weak reference: _CACHES holds this, and a strong one
-            # would keep the model (its key) alive for ever
-            step = lambda kv=step_kv, key_mask=step_mask, static=static, model=weakref.ref(model): _step(
-                model(), half, kv=kv, key_mask=key_mask, temperature=temperature, top_k=top_k, top_p=top_p, **static)
-            cache["graphs"][key] = static, _capture(step, cache)
-        static, run = cache["graphs"][key]
-        for name, x in inputs.items():
-            static[name].copy_(x)
-        tok, lp = run()
+        tok, lp = decode(tok=tok, pos=lens + t, col=cols[t:t + 1], u=u[t + 1].index_select(0, live), kv=step_kv,
+                         key_mask=step_mask, temperature=temperature, top_k=top_k, top_p=top_p)
 
     tokens, logps = tokens.t(), logps.t()  # (N, max_new_tokens)
     if eos is None:

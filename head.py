@@ -1,30 +1,17 @@
 """
 The output layer's log-probs of given tokens, and each position's entropy, computed in chunks of rows with a
 hand-written backward (HeadLogprobs), so that neither a (B, T, vocab) float32 tensor nor a (V, C) weight gradient per
-chunk ever exists; on CPU the chunks are written into buffers kept for reuse (_scratch). model.py's logprobs() calls it.
+chunk ever exists. model.py's logprobs() calls it. On CPU each chunk is written into a buffer kept for reuse
+(cpu_buffers.py): speed machinery that changes no number.
 """
 
 import torch
 
-_buffers = []  # CPU: HeadLogprobs' (rows, V) buffers, each reused once no other tensor holds it (see _scratch)
-
-def _scratch(rows, shape, dtype, device):
-    """An uninitialised tensor of shape (n, V), n <= rows, to write a chunk into. On CPU a view of a kept (rows, V)
-    buffer that no live tensor shares: glibc maps each block over 32 MB afresh and unmaps it when freed, so a fresh
-    chunk would page-fault on its first write (a softmax into a fresh 268 MB tensor takes 147 ms, into a written one
-    42 ms). Kept until the process ends: as many as were in use at once, four (1 GB) in bench.py's training step."""
-    if device.type != "cpu" or torch.compiler.is_compiling():
-        return torch.empty(shape, dtype=dtype, device=device)
-    for buf in _buffers:  # a view holds its buffer, so a use count of 1 (this list's) means nothing reads it
-        if buf.shape == (rows, shape[1]) and buf.dtype == dtype and buf._use_count() == 1:
-            return buf[:shape[0]]
-    with torch.inference_mode(False):  # one made in rollout's inference mode could not be written outside it
-        _buffers.append(torch.empty(rows, shape[1], dtype=dtype))
-    return _buffers[-1][:shape[0]]
+from cpu_buffers import scratch
 
 def _like(x, rows, dtype=None):
     """A scratch buffer shaped like x (n, V), in x's dtype or dtype."""
-    return _scratch(rows, x.shape, dtype or x.dtype, x.device)
+    return scratch(rows, x.shape, dtype or x.dtype, x.device)
 
 def _cast(x, dtype, rows):
     """x (n, V) in dtype, copied into a scratch buffer if it is not in dtype already."""
@@ -33,18 +20,17 @@ def _cast(x, dtype, rows):
 class HeadLogprobs(torch.autograd.Function):
     """out[i] = log softmax(h[i] @ weight.T / temperature)[targets[i]] for h (n, C): the output layer and its
     log-softmax, rows chunks of rows at a time, the matmuls in dtype, the softmax in float32. Backward takes each
-    chunk's logits from forward when keep (V x 4 bytes more a position, until backward; a training step of bench.py's
-    default shape in 0.87 of the time) or, to save that memory, recomputes them from h, the same numbers either way,
-    then d out[i] / d logits[i] = onehot(targets[i]) - softmax, and adds the chunk's weight gradient into one (V, C)
-    buffer in place, where autograd through chunks would make a fresh (V, C) gradient per chunk and sum them (1.2x
-    slower here on Qwen's 151,936-token vocabulary).
+    chunk's logits from forward when keep (V x 4 bytes more a position, until backward: faster) or, to save that
+    memory, recomputes them from h, the same numbers either way, then d out[i] / d logits[i] = onehot(targets[i]) -
+    softmax, and adds the chunk's weight gradient into one (V, C) buffer in place, where autograd through chunks
+    would make a fresh (V, C) gradient per chunk and sum them (slower, and V x C x 4 bytes more a chunk).
     With entropy=True it also returns the entropy H[i] = -sum_j p_j log p_j of the same p = softmax(z), z = logits /
     temperature, from the same chunks, as (out, H); backward then adds dH / dz_j = -p_j (log p_j + H)."""
 
     @staticmethod
     def _logits(h, w, temperature, rows):  # w: the weight already in the matmuls' dtype, cast once per pass
         # (n, V) at least float32, even under autocast: the normaliser needs it (a float64 model keeps float64)
-        logits = torch.mm(h.to(w.dtype), w.t(), out=_scratch(rows, (len(h), len(w)), w.dtype, h.device))
+        logits = torch.mm(h.to(w.dtype), w.t(), out=scratch(rows, (len(h), len(w)), w.dtype, h.device))
         logits = _cast(logits, torch.promote_types(w.dtype, torch.float32), rows)
         return logits.div_(temperature) if temperature != 1 else logits
 

@@ -82,8 +82,8 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     prompts = [encode_prompt(r['prompt'], cfg, enc) for r in rows]
     gens = [torch.Generator(device).manual_seed(s) for s in seeds]
     temperature = cfg.temperature if temperature is None else temperature
-    # LoRA: sample from the weights with the adapters merged in (no adapter matmuls in the decode steps; 1.1-1.4x
-    # faster on CPU). Not under autocast: the merged weight, rounded to bf16, would lose most of a small update
+    # LoRA: sample from the weights with the adapters merged in (no adapter matmuls in the decode steps). Not under
+    # autocast: the merged weight, rounded to bf16, would lose most of a small update
     merge = merged(model) if has_adapters(model) and not cfg.autocast else nullcontext()
     with merge, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
         tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,

@@ -17,7 +17,7 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
     u = torch.rand(x.size(0), 2, device=x.device) if u is None else u
     if temperature not in (0, 1):
         x = x / temperature
-    p = torch.softmax(x, -1)  # (B, V) one fused pass; an exp of its own is several times slower on CPU
+    p = torch.softmax(x, -1)  # (B, V) one fused pass, where an exp of its own would be a pass more
     if temperature == 0:
         tok = x.argmax(-1, keepdim=True)
     elif top_k is None and top_p is None:
@@ -33,8 +33,8 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
 def _draw(w, u):
     """Exact inverse-CDF draw of one index (B, 1) per row of nonnegative weights w (B, V). A cumsum over the whole
     vocabulary is slow (it is sequential), so draw in two levels: a block of ~sqrt(V) tokens by its mass, then a
-    token inside the block by its weight, each with its own uniform of u (B, 2): ~200x cheaper than torch.multinomial at
-    64 x 50304 on a CPU core."""
+    token inside the block by its weight, each with its own uniform of u (B, 2): two short cumsums instead of one
+    over V (torch.multinomial is much slower still: docs/performance.md)."""
     B, V = w.shape
     bs = math.isqrt(V - 1) + 1  # block size
     full = V // bs * bs
