@@ -8,6 +8,6 @@ from test_exact import BASE, launch
 def policy(tmp_path_factory):
     """A policy that gets some answers right (a short supervised warm start), so rewards and advantages vary."""
     out = tmp_path_factory.mktemp('warm')
-    launch([BASE + ['--sft_iters=60', '--max_iters=0', '--n_layer=2', '--n_head=2', '--n_embd=32',
-                    f'--out_dir={out}']], out)
+    launch([BASE + ['--sft_iters=60', '--sft_target_acc=0', '--max_iters=0', '--n_layer=2', '--n_head=2',
+                    '--n_embd=32', f'--out_dir={out}']], out)
     return str(out / 'warmstart')

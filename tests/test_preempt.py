@@ -17,8 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
 ARGS = ['train.py', '--dtype=float64', '--eval_interval=0', '--save_interval=1000', '--prompts_per_step=4',
         '--num_generations=4', "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16',
-        '--n_layer=1', '--n_head=2', '--n_embd=32', '--sft_iters=20', '--sft_batch_size=8', '--micro_batch_size=4',
-        '--learning_rate=3e-3', '--num_iterations=2', '--max_iters=40', '--peak_flops=1e12']
+        '--n_layer=1', '--n_head=2', '--n_embd=32', '--sft_iters=20', '--sft_target_acc=0', '--sft_batch_size=8',
+        '--micro_batch_size=4', '--learning_rate=3e-3', '--num_iterations=2', '--max_iters=40', '--peak_flops=1e12']
 ENV = dict(os.environ, OMP_NUM_THREADS='1')
 
 
