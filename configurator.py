@@ -17,7 +17,6 @@ import os
 
 import torch
 
-from loss import ADVANTAGE_ESTIMATORS, LOSS_TYPES, SAMPLER_CORRECTIONS
 
 class ConfigError(ValueError):
     """A mistake in what the user gave: the configuration, a data file, a checkpoint, a tokenizer, a reward function.
@@ -89,16 +88,12 @@ def configure(defaults, argv):
 
 
 def check_config(c, world_size):
-    """Reject combinations that cannot work, before any work starts. c: the config dict."""
+    """Reject combinations that cannot work, before any work starts. c: the config dict. The loss's settings are
+    loss.check_settings's to check (train.py calls both)."""
     def need(ok, msg):
         if not ok:
             raise ConfigError(msg)
-    choices = dict(loss_type=LOSS_TYPES, scale_rewards=('group', 'batch', 'none'),
-                   surrogate=('clip', 'cispo', 'sapo', 'vespo'), importance_sampling_level=('token', 'sequence'),
-                   kl_estimator=('k1', 'k2', 'k3'), sampler_correction=SAMPLER_CORRECTIONS,
-                   advantage_estimator=ADVANTAGE_ESTIMATORS,
-                   multi_objective_aggregation=('sum_then_normalize', 'normalize_then_sum'),
-                   lr_schedule=('constant', 'cosine'), dtype=('auto', 'float32', 'float64', 'bfloat16', 'float16'),
+    choices = dict(lr_schedule=('constant', 'cosine'), dtype=('auto', 'float32', 'float64', 'bfloat16', 'float16'),
                    parallel=('ddp', 'fsdp'))
     for key, valid in choices.items():
         need(c[key] in valid, f"unknown {key} '{c[key]}'; choose one of {', '.join(valid)}")
@@ -106,9 +101,8 @@ def check_config(c, world_size):
     at_least = dict(num_generations=2, prompts_per_step=1, steps_per_generation=1, micro_batch_size=1,
                     num_iterations=1, max_completion_length=1, max_iters=0, eval_interval=0, eval_size=1,
                     save_interval=0, sft_batch_size=1, max_resample_rounds=0, warmup_iters=0, ref_sync_every=0,
-                    max_bad_steps=1, n_layer=1, n_head=1, n_embd=1, block_size=2, vocab_size=0, beta=0,
-                    epsilon_low=0, epsilon_high=0, grad_clip=0, weight_decay=0, peak_flops=0, vespo_k_pos=0,
-                    vespo_k_neg=0, lora_rank=0)
+                    max_bad_steps=1, n_layer=1, n_head=1, n_embd=1, block_size=2, vocab_size=0, grad_clip=0,
+                    weight_decay=0, peak_flops=0, lora_rank=0)
     why = dict(num_generations="; GRPO learns from differences between the completions of one prompt",
                eval_size="; eval_interval=0 turns evaluation off")
     for key, low in at_least.items():
@@ -118,18 +112,9 @@ def check_config(c, world_size):
     for key in ('beta1', 'beta2', 'dropout', 'lora_dropout'):
         need(0 <= c[key] < 1, f"{key}={c[key]} must be in [0, 1)")
     need(0 <= c['min_lr_ratio'] <= 1, f"min_lr_ratio={c['min_lr_ratio']} must be in [0, 1]")
-    for key in ('sapo_temperature_pos', 'sapo_temperature_neg', 'vespo_lambda_pos', 'vespo_lambda_neg',
-                'sampler_correction_clip_max', 'lora_alpha'):
-        need(c[key] > 0, f"{key}={c[key]} must be > 0")
-    for key in ('top_entropy_quantile', 'ref_model_mixup_alpha'):
-        need(0 < c[key] <= 1, f"{key}={c[key]} must be in (0, 1]; 1 = off" +
-             (" (every token)" if key == 'top_entropy_quantile' else " (the reference becomes a copy)"))
-    need(math.isfinite(c['entropy_coef']), f"entropy_coef={c['entropy_coef']} must be a finite number")
-    low, high = c['sampler_correction_clip_min'], c['sampler_correction_clip_max']
-    need(low is None or 0 <= low < high, f"sampler_correction_clip_min={low} must be None or in [0, "
-                                         f"sampler_correction_clip_max={high})")
-    need(c['off_policy_mask_threshold'] is None or c['off_policy_mask_threshold'] >= 0,
-         f"off_policy_mask_threshold={c['off_policy_mask_threshold']} must be None or >= 0 (a mean log-ratio)")
+    need(c['lora_alpha'] > 0, f"lora_alpha={c['lora_alpha']} must be > 0")
+    need(0 < c['ref_model_mixup_alpha'] <= 1, f"ref_model_mixup_alpha={c['ref_model_mixup_alpha']} must be in (0, 1]; "
+                                              f"1 = off (the reference becomes a copy)")
     G, P = c['num_generations'], c['prompts_per_step']
     need(P % world_size == 0, f"prompts_per_step={P} is not divisible by the {world_size} ranks; "
                               f"make it a multiple of {world_size}")
@@ -139,25 +124,6 @@ def check_config(c, world_size):
          f"each rank holds prompts_per_step/ranks*num_generations = {rows} completions per rollout, which must split "
          f"into steps_per_generation={spg} optimizer steps of micro_batch_size={mbs}; "
          f"pick micro_batch_size dividing {rows // spg if rows % spg == 0 else rows}")
-    need(not (c['kl_in_reward'] and c['beta'] == 0), "kl_in_reward=True needs beta > 0 (the KL coefficient)")
-    need(c['delta'] is None or c['delta'] > 1 + c['epsilon_high'],
-         f"delta={c['delta']} must be None or > 1 + epsilon_high (it caps the ratio above the clip range)")
-    # knobs that would be silently ignored, or that contradict another
-    need(c['delta'] is None or c['surrogate'] == 'clip',
-         f"delta caps PPO's clipped ratio; surrogate='{c['surrogate']}' has none: set delta=None")
-    need(not (c['surrogate'] == 'vespo' and c['importance_sampling_level'] == 'sequence'),
-         "surrogate='vespo' weighs each sequence by its whole ratio already; set importance_sampling_level='token'")
-    need(not c['use_bias_correction_kl'] or c['beta'] > 0 and not c['kl_in_reward'],
-         "use_bias_correction_kl=True weighs the KL term of the loss: it needs beta > 0 and kl_in_reward=False")
-    own_scale = dict(reinforce_pp=c['advantage_estimator'] == 'reinforce_pp',
-                     normalize_then_sum=c['multi_objective_aggregation'] == 'normalize_then_sum')
-    for name, on in own_scale.items():
-        need(not on or c['scale_rewards'] == 'none', f"{name} normalises the advantages over the batch itself; "
-                                                      f"scale_rewards='{c['scale_rewards']}' would scale twice: "
-                                                      f"set scale_rewards='none'")
-    need(not own_scale['normalize_then_sum'] or c['advantage_estimator'] == 'grpo' and not c['kl_in_reward'],
-         "multi_objective_aggregation='normalize_then_sum' (GDPO) normalises each reward function in its group: it "
-         "takes advantage_estimator='grpo' and kl_in_reward=False")
     need(c['ref_model_mixup_alpha'] == 1 or c['beta'] > 0 and c['ref_sync_every'] > 0,
          f"ref_model_mixup_alpha={c['ref_model_mixup_alpha']} blends the policy into the reference every "
          f"ref_sync_every iterations: it needs beta > 0 and ref_sync_every > 0")

@@ -68,18 +68,70 @@ default to this micro-batch's, i.e. one micro-batch per step). DDP averages grad
 multiplies the loss by world_size before backward.
 """
 
+import functools
+import inspect
 import math
 
 import torch
+
+from configurator import ConfigError
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of: {', '.join(choices)}")
+def check_settings(s, combinations=True):
+    """Refuse loss settings that cannot work, one line naming the setting: s is a dict of some of them (train.py's
+    whole config before any work; grpo_loss and group_advantages check their own arguments with it too). Besides
+    grpo_loss's settings (settings()) it knows the advantages' and the trainer's that the loss depends on:
+    scale_rewards, advantage_estimator, multi_objective_aggregation, kl_in_reward, top_entropy_quantile.
+    combinations=False checks each value alone, not the pairs that would leave one of them ignored."""
+    def need(ok, message):
+        if not ok:
+            raise ConfigError(message)
+    choices = dict(loss_type=LOSS_TYPES, scale_rewards=("group", "batch", "none"),
+                   advantage_estimator=ADVANTAGE_ESTIMATORS, surrogate=("clip", "cispo", "sapo", "vespo"),
+                   importance_sampling_level=("token", "sequence"), kl_estimator=("k1", "k2", "k3"),
+                   sampler_correction=SAMPLER_CORRECTIONS,
+                   multi_objective_aggregation=("sum_then_normalize", "normalize_then_sum"))
+    for key, valid in choices.items():
+        need(key not in s or s[key] in valid, f"unknown {key} '{s.get(key)}'; choose one of {', '.join(valid)}")
+    get = lambda key: s.get(key, settings().get(key))  # a setting not given: its default
+    for key in ("beta", "epsilon_low", "epsilon_high", "vespo_k_pos", "vespo_k_neg"):
+        need(get(key) >= 0, f"{key}={get(key)} must be >= 0")
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg",
+                "sampler_correction_clip_max"):
+        need(get(key) > 0, f"{key}={get(key)} must be > 0")
+    need(0 < s.get("top_entropy_quantile", 1) <= 1, f"top_entropy_quantile={s.get('top_entropy_quantile')} must be "
+                                                    f"in (0, 1]; 1 = off (every token)")
+    need(math.isfinite(get("entropy_coef")), f"entropy_coef={get('entropy_coef')} must be a finite number")
+    low, high = get("sampler_correction_clip_min"), get("sampler_correction_clip_max")
+    need(low is None or 0 <= low < high, f"sampler_correction_clip_min={low} must be None or in [0, "
+                                         f"sampler_correction_clip_max={high})")
+    mask = get("off_policy_mask_threshold")
+    need(mask is None or mask >= 0, f"off_policy_mask_threshold={mask} must be None or >= 0 (a mean log-ratio)")
+    if not combinations:
+        return
+    beta, kl_in_reward, delta = get("beta"), s.get("kl_in_reward", False), get("delta")
+    need(not (kl_in_reward and beta == 0), "kl_in_reward=True needs beta > 0 (the KL coefficient)")
+    need(delta is None or delta > 1 + get("epsilon_high"),
+         f"delta={delta} must be None or > 1 + epsilon_high (it caps the ratio above the clip range)")
+    # settings that would be silently ignored, or that contradict another
+    need(delta is None or get("surrogate") == "clip",
+         f"delta caps PPO's clipped ratio; surrogate='{get('surrogate')}' has none: set delta=None")
+    need(not (get("surrogate") == "vespo" and get("importance_sampling_level") == "sequence"),
+         "surrogate='vespo' weighs each sequence by its whole ratio already; set importance_sampling_level='token'")
+    need(not get("use_bias_correction_kl") or beta > 0 and not kl_in_reward,
+         "use_bias_correction_kl=True weighs the KL term of the loss: it needs beta > 0 and kl_in_reward=False")
+    scale, estimator = s.get("scale_rewards", "none"), s.get("advantage_estimator", "grpo")
+    gdpo = s.get("multi_objective_aggregation") == "normalize_then_sum"
+    for name, on in (("reinforce_pp", estimator == "reinforce_pp"), ("normalize_then_sum", gdpo)):
+        need(not on or scale == "none", f"{name} normalises the advantages over the batch itself; scale_rewards="
+                                        f"'{scale}' would scale twice: set scale_rewards='none'")
+    need(not gdpo or estimator == "grpo" and not kl_in_reward,
+         "multi_objective_aggregation='normalize_then_sum' (GDPO) normalises each reward function in its group: it "
+         "takes advantage_estimator='grpo' and kl_in_reward=False")
 
 
 def _mean_std(x, valid):
@@ -106,14 +158,10 @@ def group_advantages(rewards, num_generations, scale_rewards="group", estimator=
     division over-weights groups that are almost all right or all wrong); reinforce_pp has its own batch scale
     and takes "none". Returns (B,) advantages.
     """
-    _check_choice("scale_rewards", scale_rewards, ("group", "batch", "none"))
-    _check_choice("advantage_estimator", estimator, ADVANTAGE_ESTIMATORS)
+    check_settings(dict(scale_rewards=scale_rewards, advantage_estimator=estimator))
     B, G = rewards.shape[0], num_generations
     if G < 1 or B % G:
         raise ValueError(f"{B} rewards do not split into groups of num_generations={G}; B must be a multiple of G")
-    if estimator == "reinforce_pp" and scale_rewards != "none":
-        raise ValueError(f"advantage_estimator='reinforce_pp' normalises over the batch itself; scale_rewards="
-                         f"'{scale_rewards}' would scale twice: set scale_rewards='none'")
     valid = ~torch.isnan(rewards.view(-1, G))  # (B/G, G)
     r = torch.where(valid, rewards.view(-1, G), 0.0)  # (B/G, G)
     mean, std = _mean_std(r, valid)  # (B/G, 1) each
@@ -165,7 +213,7 @@ def kl_divergence(logps, ref_logps, estimator="k3"):
     expected gradients differ: k1's is zero, k2's is that of KL(pi_theta || pi_ref) and k3's that of
     KL(pi_ref || pi_theta).
     """
-    _check_choice("kl_estimator", estimator, ("k1", "k2", "k3"))
+    check_settings(dict(kl_estimator=estimator))
     log_ratio = (ref_logps - logps).clamp(-20.0, 20.0)  # log(pi_ref / pi_theta); clamped so exp cannot overflow
     if estimator == "k1":
         return -log_ratio  # unbiased, but noisy and often negative
@@ -195,11 +243,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     where r = 1 in value: d(r KL) = KL d(logp) + d(KL).
     Returns (loss, stats): a scalar and a dict of detached 0-dim tensors, fractions over this micro-batch's tokens.
     """
-    _check_choice("loss_type", loss_type, LOSS_TYPES)
-    _check_choice("surrogate", surrogate, ("clip", "cispo", "sapo", "vespo"))
-    _check_choice("importance_sampling_level", importance_sampling_level, ("token", "sequence"))
-    _check_choice("kl_estimator", kl_estimator, ("k1", "k2", "k3"))
-    _check_choice("sampler_correction", sampler_correction, SAMPLER_CORRECTIONS)
+    args = locals()  # the arguments, before anything else is defined here
+    check_settings({k: args[k] for k in settings()}, combinations=False)
     if beta != 0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps from a reference model; pass them or set beta=0")
     if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
@@ -305,3 +350,12 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     if sampler_correction != "none":
         stats["sampler_correction/weight"] = _masked_mean(rho.expand_as(valid), valid)
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def settings():
+    """grpo_loss's settings by name, with their defaults, written once, in its signature: train.py's config takes
+    them from here. The tensors and the step's counts are arguments, not settings."""
+    per_step = ("max_completion_length", "num_sequences", "num_tokens", "sampler_logps", "entropy", "entropy_mask")
+    return {name: p.default for name, p in inspect.signature(grpo_loss).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and name not in per_step}

@@ -15,7 +15,6 @@ Batch arithmetic, per iteration (one rollout):
 loss.py's step-wide normalisers are summed over ranks and micro-batches, so the update is the same whatever the
 split: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameters.
 """
-import inspect
 import json
 import math
 import os
@@ -36,7 +35,8 @@ import parallelism
 from configurator import ConfigError, check_config, check_device, configure
 from data import default_reward, load_dataset
 from evaluate import evaluate
-from loss import entropy_threshold, grpo_loss
+from loss import check_settings, entropy_threshold, grpo_loss
+from loss import settings as loss_settings
 from measure import fastest_dtype, hms, lap, matmul_peak, memory_mb
 from model import GPT, GPTConfig
 from parallelism import all_sum, full, gather, gathered
@@ -94,33 +94,15 @@ top_p = None
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling = False  # DAPO: resample prompts whose groups all got the same reward
 max_resample_rounds = 4
-# loss (see loss.py for what each knob means and which paper it comes from; the names are TRL's GRPOConfig's)
-loss_type = 'dr_grpo'
-scale_rewards = 'none'
+# loss: every setting of loss.grpo_loss is a config key too, with its default there, written once (beta, epsilon_low,
+# epsilon_high, delta, surrogate, importance_sampling_level, kl_estimator, sampler_correction, ...: loss.py says what
+# each does and which paper it comes from; the names are TRL's GRPOConfig's). The default run's choices:
+loss_type = 'dr_grpo'  # token sum / (sequences x max_completion_length), where grpo_loss's own default is 'grpo'
+scale_rewards = 'none'  # advantages r - mean(group), no std: 'group' or 'batch' divides by one
 advantage_estimator = 'grpo'  # the baseline: 'grpo' (group mean), 'rloo' (leave-one-out), 'reinforce_pp'
 multi_objective_aggregation = 'sum_then_normalize'  # or 'normalize_then_sum' (GDPO) for several reward functions
-beta = 0.0  # KL coefficient; 0 = no reference model at all
-kl_estimator = 'k3'
-kl_in_reward = False
-use_bias_correction_kl = False  # DeepSeek-V3.2: the KL term weighted by the importance ratio
-epsilon_low = 0.2
-epsilon_high = 0.2
-delta = None
-surrogate = 'clip'  # 'clip' (PPO), 'cispo', 'sapo' or 'vespo'
-sapo_temperature_pos = 1.0
-sapo_temperature_neg = 1.05
-vespo_k_pos = 2.0
-vespo_lambda_pos = 3.0
-vespo_k_neg = 3.0
-vespo_lambda_neg = 2.0
-importance_sampling_level = 'token'
-off_policy_mask_threshold = None  # DeepSeek-V3.2: drop negative sequences the policy has drifted this far from
-# (a mean log-ratio; keep it well above the logged sampler/logp_diff, which is rounding noise on-policy)
+kl_in_reward = False  # PPO's placement of the KL (beta > 0): in the reward, not in the loss (docs/kl.md)
 top_entropy_quantile = 1.0  # 80/20: the policy term on this share of the step's tokens, highest entropy first
-entropy_coef = 0.0  # an entropy bonus
-sampler_correction = 'none'  # TIS/MIS for sampler/trainer mismatch: 'token_truncate', 'sequence_mask', ...
-sampler_correction_clip_min = None
-sampler_correction_clip_max = 3.0
 # LoRA: low-rank adapters on a frozen pretrained model (lora.py); the reference policy is the same model with its
 # adapters off, so beta > 0 costs no second copy of the weights
 lora_rank = 0  # 0 = full fine-tuning
@@ -164,7 +146,7 @@ def _user_error(kind, value, tb):  # bad input is one line, a bug keeps its trac
     else:
         sys.__excepthook__(kind, value, tb)
 sys.excepthook = _user_error
-config = configure(globals(), sys.argv[1:])
+config = configure({**loss_settings(), **globals()}, sys.argv[1:])
 globals().update(config)
 check_device(device)
 # -----------------------------------------------------------------------------
@@ -192,6 +174,7 @@ master = rank == 0
 if sft_iters is None:
     sft_iters = config['sft_iters'] = 0 if os.path.isdir(init_from) or init_from.endswith('.gguf') else 1000
 check_config(config, world_size)
+check_settings(config)
 state = checkpoint.load_state(out_dir) if init_from == 'resume' else None
 if parallel == 'fsdp' and not distributed:
     raise ConfigError("parallel='fsdp' shards over torchrun's processes: launch with torchrun (--nproc_per_node=1 "
@@ -211,8 +194,7 @@ autocast = dtype in ('bfloat16', 'float16')
 cfg = SimpleNamespace(**config, world_size=world_size, autocast=autocast, ptdtype=getattr(torch, dtype),
                       on_policy=num_iterations == 1 and steps_per_generation == 1)  # one update per rollout
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
-# the loss's knobs go to grpo_loss by name: its keyword arguments that are config keys (loss.py says what each does)
-loss_config = {k: config[k] for k in inspect.signature(grpo_loss).parameters if k in config}
+loss_config = {k: config[k] for k in (*loss_settings(), 'max_completion_length')}  # grpo_loss's, by name
 loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL is in the reward instead
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from configurator import ConfigError, check_config, configure
+from loss import check_settings, settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +20,7 @@ def train_defaults():
                 out[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:
                 pass
-    return out
+    return {**settings(), **out}  # train.py's configure() gets grpo_loss's settings too
 
 
 DEFAULTS = train_defaults()
@@ -27,11 +28,13 @@ DEFAULTS = train_defaults()
 
 def test_defaults_and_every_recipe_pass_the_checks():
     check_config(configure(DEFAULTS, []), world_size=1)
+    check_settings(configure(DEFAULTS, []))
     for name in sorted(os.listdir(os.path.join(ROOT, 'config'))):
         c = configure(DEFAULTS, [os.path.join(ROOT, 'config', name)])
         if c['init_from'] != 'scratch':  # GPU recipes: the weights are the user's to download
             c['init_from'] = 'scratch'
         check_config(c, world_size=8 if 'gpt2' in name else 2)
+        check_settings(c)
 
 
 def test_overrides_are_typed():
@@ -114,6 +117,7 @@ def test_bad_config_files(tmp_path):
 def test_impossible_combinations(overrides, world, message):
     c = configure(DEFAULTS, [])
     c.update(overrides)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ConfigError) as e:  # train.py's checks before any work: the trainer's, then the loss's
         check_config(c, world)
+        check_settings(c)
     assert message in str(e.value)
