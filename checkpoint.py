@@ -147,7 +147,7 @@ def load_state(out_dir):
     state = read_json(os.path.join(path, 'trainer.json'))
     if state is None:
         raise ConfigError(f"{path}/trainer.json is missing: the checkpoint is incomplete; "
-                                f"restore it or start with init_from='scratch'")
+                          f"restore it or start with init_from='scratch'")
     return dict(state, dir=path)
 
 
@@ -159,7 +159,7 @@ def load_optimizer(path, optimizer, rank=None):
         tensors = load_file(file)
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"{file} cannot be read ({e}); the checkpoint is damaged, restore it or start "
-                         f"with init_from='scratch'") from None
+                          f"with init_from='scratch'") from None
     state = {}
     for key, value in tensors.items():
         i, k = key.split('.', 1)

@@ -51,7 +51,7 @@ def _coerce(key, value, default):
         ok = isinstance(value, type(default))
     if not ok:
         raise ConfigError(f"config key '{key}' expects {type(default).__name__}, got {type(value).__name__} "
-                         f"{value!r}; e.g. --{key}={default!r}")
+                          f"{value!r}; e.g. --{key}={default!r}")
     return value
 
 
@@ -157,4 +157,4 @@ def check_device(device):
     if device not in ('auto', *here) and not (device == 'cuda' and torch.cuda.is_available()):
         why = ' (this torch is built without CUDA)' if device.startswith('cuda') and torch.version.cuda is None else ''
         raise ConfigError(f"device='{device}' is not on this machine{why}; it has {', '.join(here)}: use one of "
-                         f"those or device='auto'")
+                          f"those or device='auto'")

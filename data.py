@@ -79,7 +79,7 @@ def countdown(count=(3, 4), max_number=99, max_target=100):
     each number exactly once. Please reason step by step, and put your final answer within \\boxed{}.'"""
     if max_target < max_number:  # a lone number is an expression too, so each must fit under the target
         raise ConfigError(f"task 'countdown' needs max_target >= max_number, got max_target={max_target} and "
-                         f"max_number={max_number}")
+                          f"max_number={max_number}")
     def problem(i):
         # i picks the count, then the rest of i's digits in base max_number pick the numbers: each index of the
         # largest count is a problem of its own; a smaller count leaves digits unused, so its numbers recur, mostly
@@ -115,7 +115,7 @@ def _task_rows(name, split, seed, size, options):
     for key, value in options.items():
         if key not in known:
             raise ConfigError(f"task {name!r} has no option {key!r} (task_options); its options are: "
-                             f"{', '.join(known)}")
+                              f"{', '.join(known)}")
         many = isinstance(known[key].default, tuple)
         values = tuple(value) if many and isinstance(value, (tuple, list)) else (value,)  # count=3 is count=(3,)
         if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
@@ -129,8 +129,8 @@ def _task_rows(name, split, seed, size, options):
         order = rng.sample(range(count), count)  # small space: shuffle all of it, so `size` caps at what there is
     elif size > count * share // 200:  # past half of the split, draws would mostly hit problems already drawn
         raise ConfigError(f"task {name!r} with {options} has about {count * share // 100} {split} problems, too few "
-                         f"to draw {size} distinct ones at random; ask for at most {count * share // 200} rows "
-                         f"(eval_size)")
+                          f"to draw {size} distinct ones at random; ask for at most {count * share // 200} rows "
+                          f"(eval_size)")
     else:
         order = (rng.randrange(count) for _ in itertools.count())  # huge space: repeats are rare, skipped below
     rows, seen = [], set()
@@ -152,7 +152,7 @@ def _parse_row(line, where):
         row = json.loads(line.rstrip())  # else an error at its end points past the newline
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one JSON "
-                         f"object like {ROW_EXAMPLE}") from None
+                          f"object like {ROW_EXAMPLE}") from None
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: expected a JSON object like {ROW_EXAMPLE}, got a {type(row).__name__}")
     if "prompt" not in row and "question" in row:  # GSM8K layout: the answer is a worked solution ending '#### 42'
@@ -167,20 +167,20 @@ def _parse_row(line, where):
                                                        for m in row["prompt"])
     if not (isinstance(row["prompt"], str) or row["prompt"] and messages):
         raise ConfigError(f'{where}: "prompt" must be a string or a list of {{"role", "content"}} messages (for a '
-                         f'chat_template), got {json.dumps(row["prompt"])[:200]}')
+                          f'chat_template), got {json.dumps(row["prompt"])[:200]}')
     if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)):
         raise ConfigError(f'{where}: "answer" must be a string or a number, got {json.dumps(row["answer"])}')
     row["answer"] = str(row["answer"])
     for key in RESERVED_COLUMNS:
         if key in row:
             raise ConfigError(f'{where}: column "{key}" is reserved for what the rollout passes to reward functions; '
-                             f"rename it")
+                              f"rename it")
     return row
 
 def _read_jsonl(path):
     if not os.path.isfile(path):
         raise ConfigError(f"dataset file {path} not found; give the path of a .jsonl file or a built-in "
-                                f"task ({', '.join(TASKS)})")
+                          f"task ({', '.join(TASKS)})")
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -188,7 +188,7 @@ def _read_jsonl(path):
                 row = _parse_row(line, f"{path}:{lineno}")
                 if rows and row.keys() != rows[0].keys():  # reward functions get every column for every row
                     raise ConfigError(f"{path}:{lineno}: columns {sorted(row)} differ from the first row's "
-                                     f"{sorted(rows[0])}; every row needs the same columns")
+                                      f"{sorted(rows[0])}; every row needs the same columns")
                 rows.append(row)
     if not rows:
         raise ConfigError(f"{path} is empty; it needs one JSON object per line, like {ROW_EXAMPLE}")
@@ -210,13 +210,13 @@ def load_dataset(name, split="train", seed=0, size=None, **task_options):
     if name.endswith(".jsonl"):
         if task_options:
             raise ConfigError(f"task_options {task_options} apply to built-in tasks only, not to the file {name}; "
-                             f"drop task_options")
+                              f"drop task_options")
         if "{split}" in name:
             return _read_jsonl(name.replace("{split}", split))[:size]
         rows = [row for row in _read_jsonl(name) if split_of(row["prompt"]) == split]
         if not rows:
             raise ConfigError(f"{name}: none of its rows falls in the {split} split ({TEST_PERCENT}% of prompts by "
-                             f"hash are held out); add rows, or give a path like 'data/{{split}}.jsonl'")
+                              f"hash are held out); add rows, or give a path like 'data/{{split}}.jsonl'")
         return rows[:size]
     if name not in TASKS:
         raise ConfigError(f"unknown dataset {name!r}; use a built-in task ({', '.join(TASKS)}) or a .jsonl path")

@@ -58,14 +58,14 @@ def _reader(path):
         import gguf
     except ImportError:
         raise ConfigError(f"{path}: reading a GGUF file needs the gguf package (llama.cpp's reader): pip install gguf "
-                         f"(or pip install -r requirements-extra.txt)") from None
+                          f"(or pip install -r requirements-extra.txt)") from None
     if not os.path.isfile(path):
         raise ConfigError(f"{path} not found: give the path of a .gguf file")
     try:
         return gguf, gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, struct and numpy errors on a damaged file
         raise ConfigError(f"{path} cannot be read as GGUF ({type(e).__name__}: {e}); the file is damaged or not "
-                         f"GGUF: download it again") from None
+                          f"GGUF: download it again") from None
 
 def _metadata(path, key, default=None):
     field = _reader(path)[1].fields.get(key)
@@ -81,7 +81,7 @@ def _architecture(path):
     arch = _need(path, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path}: architecture {arch!r} is not supported; nanoGRPO reads GGUF files of "
-                         f"{', '.join(ARCHITECTURES)}")
+                          f"{', '.join(ARCHITECTURES)}")
     return arch
 
 # -----------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def read_model(path):
     for t in tensors.values():
         if t.tensor_type.name not in QUANTS:
             raise ConfigError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}, which is not supported; nanoGRPO "
-                             f"dequantizes {', '.join(QUANTS)}: use a GGUF of one of those")
+                              f"dequantizes {', '.join(QUANTS)}: use a GGUF of one of those")
     def key(name, default=None):
         return _metadata(path, f"{arch}.{name}", default)
     heads = _need(path, f"{arch}.attention.head_count")
@@ -127,7 +127,7 @@ def read_model(path):
     theta = float(key("rope.freq_base", 10000.0))
     if key("rope.scaling.type", "none") not in ("none", "linear") or key("rope.scaling.factor", 1.0) != 1.0:
         raise ConfigError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported; nanoGRPO does "
-                         f"Llama-3.1's (rope_freqs) and none")
+                          f"Llama-3.1's (rope_freqs) and none")
     freqs = tensors.get("rope_freqs.weight")  # Llama-3.1's scaling, as llama.cpp stores it
     rope = None if freqs is None else _llama3_rope(path, gguf.quants.dequantize(freqs.data, freqs.tensor_type), theta,
                                                     head_dim)
@@ -164,10 +164,10 @@ def tokenizer_json(path):
     kind, pre = _need(path, "tokenizer.ggml.model"), _metadata(path, "tokenizer.ggml.pre", "default")
     if kind != "gpt2":
         raise ConfigError(f"{path}: tokenizer.ggml.model {kind!r} is not a byte-level BPE ('gpt2'); nanoGRPO reads "
-                         f"only those")
+                          f"only those")
     if pre not in PRE_TOKENIZERS:
         raise ConfigError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; nanoGRPO reproduces "
-                         f"{', '.join(PRE_TOKENIZERS)}")
+                          f"{', '.join(PRE_TOKENIZERS)}")
     tokens, types = _need(path, "tokenizer.ggml.tokens"), _need(path, "tokenizer.ggml.token_type")
     added = [dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False,
                   special=role == CONTROL) for i, (t, role) in enumerate(zip(tokens, types))

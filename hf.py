@@ -60,11 +60,11 @@ def parse_config(hf, file):
         fields = _llama_config(hf, file)
     else:
         raise ConfigError(f"{file}: model_type {kind!r} is not supported; nanoGRPO reads 'gpt2', "
-                         f"{', '.join(map(repr, FAMILIES))}")
+                          f"{', '.join(map(repr, FAMILIES))}")
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"  # transformers 5 renamed torch_dtype
     if name not in DTYPES:
         raise ConfigError(f"{file}: dtype {name!r} is not one of {', '.join(DTYPES)}; set dtype (or torch_dtype) to "
-                         f"the weights' own")
+                          f"the weights' own")
     return dict(fields, hf_config=hf), DTYPES[name]
 
 def _need(hf, file, *keys):
@@ -80,7 +80,7 @@ def _gpt2_config(hf, file):
             or hf.get("layer_norm_epsilon", 1e-5) != 1e-5 or hf.get("n_inner") not in (None, 4 * hf["n_embd"])
             or hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("tie_word_embeddings", True)):
         raise ConfigError(f"{file}: unsupported GPT-2 variant (needs activation gelu_new, "
-                         f"layer_norm_epsilon 1e-5, n_inner 4*n_embd, tied embeddings, unscaled attention)")
+                          f"layer_norm_epsilon 1e-5, n_inner 4*n_embd, tied embeddings, unscaled attention)")
     return dict(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
                 n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True)
 
@@ -102,10 +102,10 @@ def _llama_config(hf, file):
         window < hf["max_position_embeddings"]
     if windowed or any(t != "full_attention" for t in hf.get("layer_types") or ()):
         raise ConfigError(f"{file}: sliding-window attention is on (sliding_window={window}), and nanoGRPO only "
-                         f"attends to the full context; use a checkpoint with full attention in every layer")
+                          f"attends to the full context; use a checkpoint with full attention in every layer")
     if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias") or heads % kv_heads:
         raise ConfigError(f"{file}: unsupported {kind} variant (needs hidden_act silu, no mlp_bias, "
-                         f"num_attention_heads a multiple of num_key_value_heads)")
+                          f"num_attention_heads a multiple of num_key_value_heads)")
     return dict(model_type=kind, block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
                 n_layer=hf["num_hidden_layers"], n_head=heads, n_embd=hf["hidden_size"], n_kv_head=kv_heads,
                 head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, n_inner=hf["intermediate_size"],
@@ -178,15 +178,15 @@ def _files(path):
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ConfigError(f"{index} is not a safetensors index ({type(e).__name__}: {e}); restore it "
-                             f"from the model's original files") from None
+                              f"from the model's original files") from None
         files = [os.path.join(path, shard) for shard in sorted(set(weight_map.values()))]
         for file in files:
             if not os.path.isfile(file):
                 raise ConfigError(f"{index} names the shard {os.path.basename(file)}, but {file} is missing; "
-                                        f"download the checkpoint's files again")
+                                  f"download the checkpoint's files again")
         return files, index, weight_map
     raise ConfigError(f"{single} not found (nor {os.path.basename(index)}): from_pretrained needs a Hugging "
-                            f"Face model directory with config.json and its safetensors weights")
+                      f"Face model directory with config.json and its safetensors weights")
 
 def _tensors(files, index, weight_map):
     """Yield (name, file, tensor) for every tensor of the checkpoint, one at a time (a shard is never loaded
@@ -199,15 +199,15 @@ def _tensors(files, index, weight_map):
                 for name in names:
                     if weight_map is not None and weight_map.get(name) != shard:
                         raise ConfigError(f"{file}: holds tensor {name!r}, but {index} maps it to "
-                                         f"{weight_map.get(name)!r}: the index and the shards disagree; download "
-                                         f"the checkpoint's files again")
+                                          f"{weight_map.get(name)!r}: the index and the shards disagree; download "
+                                          f"the checkpoint's files again")
                     yield name, file, f.get_tensor(name)
         except SafetensorError as e:  # truncated, or not a safetensors file at all
             raise ConfigError(f"{file} cannot be read ({e}); the file is damaged or not safetensors: "
-                             f"restore it or save the model again") from None
+                              f"restore it or save the model again") from None
         for name in [n for n, s in (weight_map or {}).items() if s == shard and n not in names]:
             raise ConfigError(f"{index} maps tensor {name!r} to {shard}, which does not hold it: the index and the "
-                             f"shards disagree; download the checkpoint's files again")
+                              f"shards disagree; download the checkpoint's files again")
 
 def load_weights(path, cfg, ours, tensors=None):
     """Copy the checkpoint at path into ours, a state dict of a model of config cfg (its tensors share the
@@ -230,23 +230,23 @@ def load_weights(path, cfg, ours, tensors=None):
             continue
         if name not in where:
             raise ConfigError(f"{file}: unexpected tensor {key!r}, not part of a {cfg.model_type} of its config.json; "
-                             f"use the config.json that came with these weights")
+                              f"use the config.json that came with these weights")
         ours_name, row, rows, transposed = where[name]
         dest = ours[ours_name].narrow(0, row, rows)
         expected = dest.t().shape if transposed else dest.shape
         if t.shape != expected:
             raise ConfigError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(expected)} "
-                             f"from config.json; the config and the weights are of different models")
+                              f"from config.json; the config and the weights are of different models")
         dest.copy_(t.t() if transposed else t)
         loaded.add(name)
     missing = sorted(set(where) - loaded)
     if missing:
         raise ConfigError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing in all); the "
-                         f"checkpoint is incomplete: download or save it again")
+                          f"checkpoint is incomplete: download or save it again")
     for file, head in heads:
         if not torch.equal(head.to(ours["lm_head.weight"].dtype), ours["lm_head.weight"]):
             raise ConfigError(f"{file}: lm_head.weight differs from the token embedding, but config.json ties them "
-                             f"(tie_word_embeddings); fix one of the two")
+                              f"(tie_word_embeddings); fix one of the two")
 
 def save_weights(path, cfg, state_dict, max_shard_size):
     """Write the weights in the HF layout: model.safetensors, or, above max_shard_size bytes, shards and their index

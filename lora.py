@@ -111,13 +111,13 @@ def _resolve(model, targets, what):
         return names, set(paths)  # PEFT saves 'all-linear' as the names it expands to
     if isinstance(targets, str) or not targets or not all(isinstance(t, str) for t in targets):
         raise ConfigError(f"{what}: target_modules must be 'all-linear' or a non-empty list of module names, got "
-                         f"{targets!r}; valid names for {model.config.model_type}: {', '.join(names)}")
+                          f"{targets!r}; valid names for {model.config.model_type}: {', '.join(names)}")
     chosen = set()
     for t in targets:
         hit = {p for p in paths if p == t or p.endswith("." + t)}
         if not hit:
             raise ConfigError(f"{what}: LoRA target {t!r} matches no linear layer of this {model.config.model_type} "
-                             f"model; use some of {', '.join(names)} (or 'all-linear')")
+                              f"model; use some of {', '.join(names)} (or 'all-linear')")
         chosen |= hit
     return sorted(set(targets)), chosen
 
@@ -278,15 +278,15 @@ def load_adapter(model, path):
     if theirs.get("peft_type") != "LORA" or theirs.get("use_rslora") or theirs.get("rank_pattern") \
             or theirs.get("alpha_pattern"):
         raise ConfigError(f"{file}: needs a plain LoRA adapter (peft_type LORA, no use_rslora, rank_pattern or "
-                         f"alpha_pattern), got peft_type {theirs.get('peft_type')!r}; use another adapter")
+                          f"alpha_pattern), got peft_type {theirs.get('peft_type')!r}; use another adapter")
     for key, arg in (("r", "rank"), ("lora_alpha", "alpha")):
         if theirs.get(key) != lora[key]:
             raise ConfigError(f"{file}: {key} is {theirs.get(key)!r} but the model's adapters have {lora[key]!r}; "
-                             f"call add_lora with {arg}={theirs.get(key)!r} before loading this adapter")
+                              f"call add_lora with {arg}={theirs.get(key)!r} before loading this adapter")
     _, ours = _resolve(gpt, lora["target_modules"], file)
     if _resolve(gpt, theirs.get("target_modules"), file)[1] != ours:
         raise ConfigError(f"{file}: target_modules {theirs.get('target_modules')!r} adapt other layers than the "
-                         f"model's {lora['target_modules']!r}; call add_lora with the adapter's target_modules")
+                          f"model's {lora['target_modules']!r}; call add_lora with the adapter's target_modules")
     want = _tensors(model)
     file = os.path.join(path, WEIGHTS)
     if not os.path.isfile(file):
@@ -296,18 +296,18 @@ def load_adapter(model, path):
             loaded = {key: f.get_tensor(key) for key in f.keys()}  # adapters are small: all checked before any copy
     except SafetensorError as e:
         raise ConfigError(f"{file} cannot be read ({e}); the file is damaged: restore it or save the adapter "
-                         f"again") from None
+                          f"again") from None
     extra, missing = sorted(set(loaded) - set(want)), sorted(set(want) - set(loaded))
     if extra:  # a bias, modules_to_save or another layer's adapter: it would be silently dropped
         raise ConfigError(f"{file}: unexpected tensor {extra[0]!r} ({len(extra)} in all), not a LoRA weight of the "
-                         f"model's targets; use an adapter saved for this model")
+                          f"model's targets; use an adapter saved for this model")
     if missing:
         raise ConfigError(f"{file}: missing tensor {missing[0]!r} ({len(missing)} missing in all); the adapter is "
-                         f"incomplete or for another model: save it again")
+                          f"incomplete or for another model: save it again")
     for key, dest in want.items():
         if loaded[key].shape != dest.shape:
             raise ConfigError(f"{file}: tensor {key!r} has shape {tuple(loaded[key].shape)}, the model's is "
-                             f"{tuple(dest.shape)}; the adapter is for another model")
+                              f"{tuple(dest.shape)}; the adapter is for another model")
     with torch.no_grad():
         for key, dest in want.items():
             dest.copy_(loaded[key])

@@ -207,14 +207,14 @@ def get_reward_fns(names):
                 fn = getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError) as e:
                 raise ConfigError(f"reward function {name!r} cannot be imported ({e}); put {module}.py on the "
-                                 f"Python path (e.g. the directory you run from) with a function {attr}") from None
+                                  f"Python path (e.g. the directory you run from) with a function {attr}") from None
             if not callable(fn):
                 raise ConfigError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
         elif name in REWARD_FNS:
             fn = REWARD_FNS[name]
         else:
             raise ConfigError(f"unknown reward function {name!r}; valid names: {', '.join(REWARD_FNS)}, "
-                             f"or 'module:function' for your own")
+                              f"or 'module:function' for your own")
         fns.append(fn)
     return fns
 
@@ -252,11 +252,11 @@ def _call(fn, prompts, completions, columns):
         c, e_one = _culprit(fn, prompts, completions, columns)
         if e_one is None:
             raise ConfigError(f"reward function {name} raised {_one_line(e)} on a batch of {n} completions "
-                             f"(but on none of them alone), e.g. {_show(completions[0])}") from e
+                              f"(but on none of them alone), e.g. {_show(completions[0])}") from e
         raise ConfigError(f"reward function {name} raised {_one_line(e_one)} on completion {_show(c)}") from e_one
     if not isinstance(values, list):
         raise ConfigError(f"reward function {name} returned a {type(values).__name__}, expected a list of {n} floats "
-                         f"(or None), one per completion, e.g. for {_show(completions[0])}")
+                          f"(or None), one per completion, e.g. for {_show(completions[0])}")
     if len(values) != n:
         c, _ = _culprit(fn, prompts, completions, columns)
         where = f"; called alone on completion {_show(c)} it does not return one value" if c is not None else ""
@@ -264,7 +264,7 @@ def _call(fn, prompts, completions, columns):
     for v, c in zip(values, completions):
         if v is not None and not isinstance(v, numbers.Real):
             raise ConfigError(f"reward function {name} returned {_show(v)} (a {type(v).__name__}) for completion "
-                             f"{_show(c)}; a reward must be a number or None")
+                              f"{_show(c)}; a reward must be a number or None")
         if v is not None and not math.isfinite(v):
             raise ConfigError(f"reward function {name} returned {v} for completion {_show(c)}; a reward must be finite")
     return [None if v is None else float(v) for v in values]
@@ -275,7 +275,8 @@ def compute_rewards(reward_fns, weights, prompts, completions, columns):
     (a function saying None is left out rather than counted as a 0 that would drag a mean down); per_function
     maps each function's __name__ to its raw, unweighted values, for logging."""
     if len(weights) != len(reward_fns):
-        raise ConfigError(f"{len(reward_fns)} reward functions but {len(weights)} weights; give one weight per function")
+        raise ConfigError(f"{len(reward_fns)} reward functions but {len(weights)} weights; give one weight per "
+                          f"function")
     names = [fn.__name__ for fn in reward_fns]
     for name in names:
         if names.count(name) > 1:

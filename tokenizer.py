@@ -315,12 +315,12 @@ def get_tokenizer(name):
             return tiktoken.get_encoding("gpt2")
         except Exception as e:  # no network and no cache: requests' errors, tiktoken's own, ...
             raise ConfigError(f"tokenizer 'gpt2' needs tiktoken's GPT-2 files, which it downloads on first use, and "
-                             f"that failed ({type(e).__name__}); set tokenizer= to the checkpoint's tokenizer.json or "
-                             f"its directory instead") from None
+                              f"that failed ({type(e).__name__}); set tokenizer= to the checkpoint's tokenizer.json or "
+                              f"its directory instead") from None
     if os.path.exists(name):
         return load_hf_tokenizer(name)
     raise ConfigError(f"unknown tokenizer {name!r}; use 'bytes' (built in, no download), 'gpt2', a Hugging Face "
-                     f"tokenizer.json or the directory that holds it, or a .gguf file")
+                      f"tokenizer.json or the directory that holds it, or a .gguf file")
 
 def stop_ids(enc, template="none", path=None):
     """The ids that end a completion; the first is the one a finished answer is written with (warm start, padding):
@@ -355,7 +355,7 @@ def check_template(enc, template):
     missing = [t for t in _template_tokens(template) if t not in enc.special_tokens_set]
     if missing:
         raise ConfigError(f"chat_template {template!r} needs the special tokens {missing}, which tokenizer "
-                         f"{enc.name!r} lacks; use the template of the model's own tokenizer, or 'none'")
+                          f"{enc.name!r} lacks; use the template of the model's own tokenizer, or 'none'")
 
 def _messages(prompt):
     """The messages of a prompt, checked: a string is one user message."""
@@ -395,7 +395,8 @@ def render_chat(prompt, template, system_prompt=None, enable_thinking=None):
     _template_tokens(template)
     if template == "none":
         if not isinstance(prompt, str):
-            raise ConfigError("the prompt is a list of messages: set chat_template to 'chatml' or 'llama3' to render it")
+            raise ConfigError("the prompt is a list of messages: set chat_template to 'chatml' or 'llama3' to "
+                              "render it")
         if system_prompt is not None or enable_thinking is not None:
             raise ConfigError("system_prompt and enable_thinking need chat_template 'chatml' or 'llama3', not 'none'")
         return prompt

@@ -178,12 +178,12 @@ check_settings(config)
 state = checkpoint.load_state(out_dir) if init_from == 'resume' else None
 if parallel == 'fsdp' and not distributed:
     raise ConfigError("parallel='fsdp' shards over torchrun's processes: launch with torchrun (--nproc_per_node=1 "
-                     "for one GPU), or use parallel='ddp'")
+                      "for one GPU), or use parallel='ddp'")
 was = (state['config'].get('parallel', 'ddp'), state.get('world_size', world_size)) if state else None
 if state and 'fsdp' in (parallel, was[0]) and was != (parallel, world_size):  # the optimizer state is in shards
     raise ConfigError(f"{state['dir']} was written with parallel='{was[0]}' on {was[1]} rank(s); resume it with "
-                     f"--parallel={was[0]} and torchrun --nproc_per_node={was[1]} (this run: '{parallel}', "
-                     f"{world_size} rank(s))")
+                      f"--parallel={was[0]} and torchrun --nproc_per_node={was[1]} (this run: '{parallel}', "
+                      f"{world_size} rank(s))")
 if not tokenizer:  # the checkpoint's own; a resumed run keeps the one it started with
     own = init_from.endswith('.gguf') or any(os.path.exists(os.path.join(init_from, f))
                                              for f in ('tokenizer.json', 'vocab.json'))
@@ -214,7 +214,7 @@ if wandb_log:
         import wandb  # optional: only when asked for
     except ImportError:
         raise ConfigError("wandb_log=True needs the wandb package: pip install wandb (or pip install -r "
-                         "requirements-extra.txt), or drop wandb_log") from None
+                          "requirements-extra.txt), or drop wandb_log") from None
 train_rows = load_dataset(task, 'train', seed=seed, **task_options)
 test_rows = load_dataset(test_task or task, 'test', seed=seed, size=eval_size, **task_options)
 names, weights = (reward_funcs, reward_weights or (1.0,) * len(reward_funcs)) if reward_funcs else \
@@ -222,12 +222,13 @@ names, weights = (reward_funcs, reward_weights or (1.0,) * len(reward_funcs)) if
 reward_fns, reward_weights = get_reward_fns(names), list(weights)  # the first one is the accuracy of the logs
 if len(train_rows) < prompts_per_step:
     raise ConfigError(f"{task} has {len(train_rows)} prompts but prompts_per_step={prompts_per_step}; "
-                     f"lower prompts_per_step or add data")
+                      f"lower prompts_per_step or add data")
 for rows, name in ((train_rows, task), (test_rows, test_task or task)):
     longest = max(len(encode_prompt(r['prompt'], cfg, enc)) for r in rows)
     if longest + max_completion_length > block_size:
-        raise ConfigError(f"{name}: longest prompt is {longest} tokens, + max_completion_length={max_completion_length} "
-                         f"> block_size={block_size}; shorten prompts or max_completion_length, or raise block_size")
+        raise ConfigError(f"{name}: longest prompt is {longest} tokens, + max_completion_length="
+                          f"{max_completion_length} > block_size={block_size}; shorten prompts or "
+                          f"max_completion_length, or raise block_size")
 
 
 # model
@@ -241,7 +242,7 @@ else:  # under FSDP only rank 0 reads the weights; the others build the shape al
                                 device='meta' if fsdp and not master else None)
 if model.config.vocab_size < enc.n_vocab:
     raise ConfigError(f"the model's vocab_size {model.config.vocab_size} < tokenizer '{tokenizer}' n_vocab "
-                     f"{enc.n_vocab}; pick the tokenizer the model was trained with")
+                      f"{enc.n_vocab}; pick the tokenizer the model was trained with")
 if model.config.block_size < block_size:
     raise ConfigError(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower block_size")
 model.to(device=None if fsdp else device, dtype=param_dtype)
