@@ -18,12 +18,18 @@ safetensors, the rest JSON.
 """
 import json
 import os
+import shlex
 import shutil
+import signal
+import sys
+import time
 
+import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+import gguf_file
 import lora
 import parallelism
 from configurator import ConfigError
@@ -138,8 +144,23 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
     parallelism.barrier()
 
 
-def load_state(out_dir):
-    """The latest checkpoint's trainer state, with 'dir' set to its directory."""
+def tokenizer_files(tokenizer, out_dir, write):
+    """The directory whose tokenizer files go into every checkpoint, so that each is a whole Hugging Face model:
+    the tokenizer's own (a tokenizer.json's directory), a GGUF's tokenizer written out as Hugging Face files to
+    out_dir/tokenizer (where write: by one rank), or None for a built-in tokenizer ('bytes', 'gpt2')."""
+    if tokenizer.endswith('.gguf'):
+        if write:
+            gguf_file.write_hf_tokenizer(tokenizer, os.path.join(out_dir, 'tokenizer'))
+        return os.path.join(out_dir, 'tokenizer')
+    if not os.path.exists(tokenizer):
+        return None
+    return tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
+
+
+def load_state(out_dir, parallel=None, world_size=None):
+    """The latest checkpoint's trainer state, with 'dir' set to its directory. Given the resuming run's parallel and
+    world_size, checks it can resume there: on any number of ranks, except that FSDP's optimizer state is in shards,
+    so a run with FSDP on either side resumes only as it was written."""
     name = read_json(os.path.join(out_dir, 'latest'))
     if name is None:
         raise ConfigError(f"no checkpoint in {out_dir} (no 'latest' file); start with init_from='scratch'")
@@ -148,6 +169,11 @@ def load_state(out_dir):
     if state is None:
         raise ConfigError(f"{path}/trainer.json is missing: the checkpoint is incomplete; "
                           f"restore it or start with init_from='scratch'")
+    was = state['config'].get('parallel', 'ddp'), state.get('world_size', world_size)
+    if parallel and 'fsdp' in (parallel, was[0]) and was != (parallel, world_size):
+        raise ConfigError(f"{path} was written with parallel='{was[0]}' on {was[1]} rank(s); resume it with "
+                          f"--parallel={was[0]} and torchrun --nproc_per_node={was[1]} (this run: '{parallel}', "
+                          f"{world_size} rank(s))")
     return dict(state, dir=path)
 
 
@@ -166,3 +192,47 @@ def load_optimizer(path, optimizer, rank=None):
         state.setdefault(int(i), {})[k] = value
     optimizer.load_state_dict(dict(state=parallelism.to_params(state, optimizer),
                                    param_groups=read_json(os.path.join(path, 'optimizer.json'))))
+
+
+# -----------------------------------------------------------------------------
+# preemption: SIGTERM (what SLURM and Kubernetes send before a kill) or Ctrl-C asks for a checkpoint at the next
+# iteration boundary; a second signal exits at once, leaving the last checkpoint as it is (the writes above are
+# atomic). A repeat within a second is the same request delivered twice: the terminal sends Ctrl-C to every process
+# and torchrun forwards what it gets to its workers.
+_asked = dict(signal=0, time=0.0)
+
+
+def _on_signal(signum, frame):
+    if _asked['signal'] and time.time() - _asked['time'] > 1.0:
+        os._exit(128 + signum)
+    if not _asked['signal']:
+        _asked.update(signal=signum, time=time.time())
+
+
+def catch_stop_signals():
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+
+def stop_requested():
+    """The signal any rank got since catch_stop_signals (0: none), the same on every rank: every rank must call it
+    at the same point."""
+    sig = torch.tensor(_asked['signal'])
+    if dist.is_initialized():
+        dist.all_reduce(sig, op=dist.ReduceOp.MAX)
+    return sig.item()
+
+
+def stopped_message(sig, it, out_dir, world_size):
+    """What a run stopped by signal sig before iteration it prints: where it is saved, the command that resumes it."""
+    stopped = f"stopped by {signal.Signals(sig).name} before iteration {it}: "
+    where = read_json(os.path.join(out_dir, 'latest'))
+    if not where:
+        return stopped + "no checkpoint to resume from (the first steps were non-finite)"
+    args = [a for a in sys.argv[1:] if not a.startswith('--init_from=')] + ['--init_from=resume']
+    launcher = ['python']
+    if dist.is_initialized():  # a run on one machine gets its command; one on several, the torchrun it needs
+        local = int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
+        launcher = ['torchrun', '--standalone', f'--nproc_per_node={world_size}'] if local == world_size else \
+            ['torchrun', "<this run's torchrun options>"]
+    return stopped + f"{out_dir}/{where} holds the run; resume with:\n{shlex.join(launcher + [sys.argv[0]] + args)}"

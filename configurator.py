@@ -134,8 +134,6 @@ def check_config(c, world_size):
         need(not c['ref_sync_every'], "with LoRA the reference is the base model (adapters off), which never "
                                       "changes: set ref_sync_every=0")
     need(c['temperature'] > 0, f"temperature={c['temperature']} must be > 0 for RL sampling (log-probs divide by it)")
-    need(c['top_k'] is None or isinstance(c['top_k'], int) and c['top_k'] > 0, "top_k must be None or an int > 0")
-    need(c['top_p'] is None or 0 < c['top_p'] <= 1, "top_p must be None or in (0, 1]")
     need(c['learning_rate'] > 0 and math.isfinite(c['learning_rate']),
          f"learning_rate={c['learning_rate']} must be a positive number")
     gguf = c['init_from'].endswith('.gguf')

@@ -14,7 +14,7 @@ import weakref
 import torch
 
 import cuda_graphs
-from sampling import sample
+from sampling import check_sampling, sample
 
 _CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the module, so state_dict and deepcopy skip it
 
@@ -27,14 +27,11 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     for i, n in enumerate(lengths):
         if n == 0:
             raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token to condition on")
-        if n + max_new_tokens > model.config.block_size:
-            raise ValueError(f"prompt {i} has {n} tokens and max_new_tokens is {max_new_tokens}, more than "
-                             f"block_size {model.config.block_size}: shorten the prompt or lower max_new_tokens")
+        model.check_length(n + max_new_tokens, f"prompt {i} ({n} tokens) + max_new_tokens ({max_new_tokens})")
     if not prompts or max_new_tokens < 1 or num_samples < 1 or temperature < 0:
         raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, num_samples >= 1 and "
                          "temperature >= 0")
-    if (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise ValueError(f"top_k must be >= 1 and top_p in (0, 1], got top_k={top_k} top_p={top_p}")
+    check_sampling(top_k, top_p)
     was_training = model.training
     model.eval()
     try:

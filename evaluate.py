@@ -48,3 +48,9 @@ def evaluate(model, test_rows, it, rank, cfg, enc, reward_fn, every):
     out = {'eval/greedy_acc': sums[0] / sums[1]}
     out.update({f'eval/pass@{k}': v / sums[1] for k, v in zip(ks, sums[2:])})
     return out, list(zip([r['prompt'] for r in rows], texts))
+
+
+def report(metrics, samples, it):
+    """The evaluation's lines: greedy accuracy and pass@k, then the first prompts with their greedy completions."""
+    return "\n".join([f"eval {it}: greedy acc {metrics['eval/greedy_acc']:.3f} | " + " | ".join(
+        f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k)] + [f"    {p!r} -> {c!r}" for p, c in samples])

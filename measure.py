@@ -8,6 +8,7 @@ import functools
 import os
 import resource
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -37,6 +38,16 @@ def timed_rounds(fns, device, repeat, warmup=1):
 def timed(fn, device, repeat, warmup=1):
     """Best wall-clock seconds of fn() over `repeat` runs, after `warmup` untimed ones."""
     return timed_rounds([fn], device, repeat, warmup)[0]
+
+
+@contextmanager
+def phase(times, key, device):
+    """Add the wall time of the block (the device's queued work included) to times[key]."""
+    sync(device)
+    t = time.perf_counter()
+    yield
+    sync(device)
+    times[key] = times.get(key, 0.0) + time.perf_counter() - t
 
 
 def lap(times, key, since, device):

@@ -194,6 +194,21 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             torch.nn.init.zeros_(module.bias)
 
+    def check_length(self, T, what):
+        """The one check that a sequence fits: GPT-2's position table ends at block_size, RoPE models were trained
+        to it."""
+        if T > self.config.block_size:
+            raise ValueError(f"{what}: {T} tokens, more than block_size {self.config.block_size}; shorten it or use a "
+                             f"model with a larger block_size")
+
+    def configure_optimizer(self, *, lr, weight_decay, betas, fused):
+        """AdamW over the trainable parameters (LoRA: the adapters), weight decay on matrices only (nanoGPT's
+        choice); fused (CUDA) saves a kernel launch per parameter."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+                  dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+
     def get_num_params(self):
         """Parameters without the position embeddings (tied token embeddings count: they are the output layer)."""
         wpe = self.transformer.wpe.weight.numel() if "wpe" in self.transformer else 0
@@ -234,9 +249,7 @@ class GPT(nn.Module):
                                                            (pos[:, None, :] < first[:, :, None]))  # (B, T, T) q, k
             key_mask = seen.tril()[:, None]  # (B, 1, T, T) causal
         if pos is None:
-            if T > self.config.block_size:
-                raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}; "
-                                 f"truncate it or use a model with a larger block_size")
+            self.check_length(T, "the sequence")
             pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None

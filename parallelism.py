@@ -60,6 +60,39 @@ def load_whole(model, read):
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
+def wrap(model, *, device, fsdp, bf16, compile):
+    """The policy ready to train: under FSDP sharded in place, each rank's shards sent by rank 0 (the others built
+    it on the meta device); compiled if asked; under torchrun with DDP, wrapped in DistributedDataParallel. Returns
+    (the module the training forward calls, the model itself: what the sampler, the optimizer and checkpoints use)."""
+    if fsdp:
+        whole = model.state_dict() if dist.get_rank() == 0 else {}
+        shard(model, bf16)
+        load_whole(model.to_empty(device=device), lambda: whole)
+    raw, on_cuda = model, 'cuda' in str(device)
+    if compile:
+        model = torch.compile(model)  # the training forward, i.e. the log-prob path
+        # generate's step, sampling included: one graph, except under FSDP, whose hooks around each block break it
+        raw.decode = torch.compile(raw.decode, fullgraph=not fsdp)
+    if dist.is_initialized() and not fsdp:
+        model = DDP(model, device_ids=[torch.device(device).index] if on_cuda else None)
+    return model, raw
+
+
+def frozen_copy(model, *, device, dtype, bf16, read=None):
+    """A frozen copy of model (the KL's reference policy), sharded like it under FSDP so that their state dicts match
+    shard for shard; its weights from read() (a checkpoint's) or, without read, model's. A new module, not a
+    deepcopy, which would share model's compiled decode step."""
+    with torch.device('meta' if sharded(model) else device):  # FSDP: sharded before it takes any memory
+        ref = type(model)(model.config).to(dtype=dtype).eval().requires_grad_(False)
+    if sharded(model):
+        shard(ref, bf16).to_empty(device=device)
+    if read:
+        load_whole(ref, read)
+    else:
+        ref.load_state_dict(model.state_dict())
+    return ref
+
+
 def set_grad_sync(model, on):
     """Reduce gradients across ranks (DDP's all-reduce, FSDP's reduce-scatter) only on the last micro-batch of a step:
     the earlier ones accumulate locally."""
@@ -171,6 +204,17 @@ def all_sum(t):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t
+
+
+def check_replicas(model, it):
+    """DDP's ranks must hold the same weights: a cheap checksum of each parameter, compared over ranks, catches a
+    silent divergence before it is saved (FSDP's ranks hold different shards: nothing to compare)."""
+    if sharded(model):
+        return
+    sums = gather(torch.stack([p.double().sum() + (p.double() ** 2).sum() for p in model.parameters()])[None])
+    if not torch.equal(sums.min(0).values, sums.max(0).values):
+        raise RuntimeError(f"iteration {it}: the ranks' parameters differ (checksums {sums.sum(1).tolist()}); not "
+                           f"saving. This is a bug or a hardware fault; resume from the last checkpoint")
 
 
 def from_rank0(obj):

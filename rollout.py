@@ -23,10 +23,11 @@ from contextlib import nullcontext
 
 import torch
 
+from configurator import ConfigError
 from lora import adapters_off, has_adapters, merged
-from loss import decoupled_advantages, group_advantages, kl_divergence
+from loss import decoupled_advantages, entropy_threshold, group_advantages, kl_divergence
 from measure import lap
-from parallelism import gather
+from parallelism import gather, gathered
 from reward import compute_rewards
 from tokenizer import render_chat
 
@@ -72,6 +73,19 @@ def encode_prompt(prompt, cfg, enc):
     template, whose special tokens then become their ids."""
     text = render_chat(prompt, cfg.chat_template, cfg.system_prompt, cfg.enable_thinking)
     return enc.encode_ordinary(text) if cfg.chat_template == 'none' else enc.encode(text, allowed_special='all')
+
+
+def check_rows(rows, name, cfg, enc, least=1):
+    """A dataset's rows fit the run: at least `least` prompts (the training set: a step's), each with the longest
+    completion within block_size (at start-up, not at the first long prompt hours in)."""
+    if len(rows) < least:
+        raise ConfigError(f"{name} has {len(rows)} prompts but prompts_per_step={least}; "
+                          f"lower prompts_per_step or add data")
+    longest = max(len(encode_prompt(r['prompt'], cfg, enc)) for r in rows)
+    if longest + cfg.max_completion_length > cfg.block_size:
+        raise ConfigError(f"{name}: longest prompt is {longest} tokens, + max_completion_length="
+                          f"{cfg.max_completion_length} > block_size={cfg.block_size}; shorten prompts or "
+                          f"max_completion_length, or raise block_size")
 
 
 def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
@@ -286,3 +300,12 @@ def logprobs(model, batch, cfg, entropy=False):
         for o, x in zip(out, got if entropy else (got,)):
             o[rows, :x.shape[1]] = x.to(o.dtype)
     return tuple(out) if entropy else out[0]
+
+
+def top_entropy_mask(model, batch, cfg):
+    """80/20 (Wang et al. 2025): the tokens whose entropy under the policy as it is now is in the top
+    top_entropy_quantile of the whole step (all ranks, all micro-batches), so the choice does not depend on the
+    split."""
+    with gathered(model):
+        entropy = logprobs(model, batch, cfg, entropy=True)[1]  # (rows, C)
+    return entropy >= entropy_threshold(gather(entropy), gather(batch['mask']), cfg.top_entropy_quantile)

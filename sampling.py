@@ -6,6 +6,17 @@ import math
 
 import torch
 
+from configurator import ConfigError
+
+
+def check_sampling(top_k, top_p):
+    """The one check of the sampler's restrictions, for the config and for generate() alike."""
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ConfigError(f"top_k={top_k!r} must be None or an int > 0")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"top_p={top_p!r} must be None or in (0, 1]")
+
+
 def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
     """Draw one token per row of logits (B, V) from softmax(logits / temperature), restricted to the top_k most
     likely tokens and then to the smallest set of them holding top_p of their mass, and return (tokens (B,) long,

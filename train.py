@@ -18,32 +18,28 @@ split: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameter
 import json
 import math
 import os
-import shlex
-import signal
 import sys
 import time
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
-import gguf_file
 import lora
 import parallelism
 from configurator import ConfigError, check_config, check_device, configure
 from data import default_reward, load_dataset
-from evaluate import evaluate
-from loss import check_settings, entropy_threshold, grpo_loss
+from evaluate import evaluate, report
+from loss import check_settings, grpo_loss
 from loss import settings as loss_settings
-from measure import fastest_dtype, hms, lap, matmul_peak, memory_mb
+from measure import fastest_dtype, hms, matmul_peak, memory_mb, phase
 from model import GPT, GPTConfig
-from parallelism import all_sum, full, gather, gathered
-from tokenizer import check_template, get_tokenizer, stop_ids
+from parallelism import all_sum, full, gathered
 from reward import get_reward_fns
-from rollout import encode_prompt, logprobs, micro_batches, prompt_seed, rollout, rollout_metrics
+from sampling import check_sampling
+from rollout import check_rows, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
 from sft import warm_start
+from tokenizer import check_template, get_tokenizer, stop_ids
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
@@ -53,17 +49,15 @@ eval_interval = 100  # iterations between held-out evaluations (also at the star
 eval_size = 500  # held-out prompts for greedy accuracy and pass@k, sampled prompts_per_step at a time
 save_interval = 100  # iterations between checkpoints (also at the end and when stopped by a signal); 0 = those only
 progress_interval = 10.0  # seconds between progress lines of a long warm start or evaluation
-init_from = 'scratch'  # 'scratch', 'resume' (from out_dir), a Hugging Face directory (GPT-2, Llama, Qwen2, Qwen3)
-# or a .gguf file (Llama, Qwen2, Qwen3; dequantized to float32)
-wandb_log = False  # disabled by default
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's), a Hugging Face directory or a .gguf (GPT-2/Llama/Qwen2/3)
+wandb_log = False
 wandb_project = 'nanogrpo'
 wandb_run_name = 'grpo'
 # data
 task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "answer"} rows
 task_options = {}  # a built-in task's options (see data.py); {} = its defaults (addition: 2 digits)
 test_task = ''  # held-out data: '' = the task's own test split
-tokenizer = ''  # 'bytes' (257 tokens, built here), 'gpt2' (tiktoken's), a tokenizer.json or its directory, a .gguf;
-# '' = the init_from directory's or .gguf file's own if it has one, else 'bytes'
+tokenizer = ''  # 'bytes', 'gpt2' (tiktoken's), a tokenizer.json or its directory, a .gguf; '' = init_from's or 'bytes'
 chat_template = 'none'  # 'none' (the prompt as it is), 'chatml' (Qwen2/2.5/3) or 'llama3' (see tokenizer.py)
 system_prompt = None  # a system message for prompts without one (tokenizer.QWEN25_SYSTEM is Qwen2.5's default)
 enable_thinking = None  # Qwen3's switch: False opens each answer with an empty <think> block
@@ -81,30 +75,26 @@ bias = True
 sft_iters = None  # None = up to 1000 from scratch and 0 from a pretrained checkpoint, which needs no warm start
 sft_batch_size = 64
 sft_learning_rate = 1e-3
-sft_target_acc = 0.3  # > 0: end the warm start once greedy accuracy on 256 train prompts reaches it (checked every
-# 50 steps): a tiny model leaves a ~10% plateau at a step that depends on the seed and the CPU's rounding, so a
-# fixed count lands anywhere from 10% to 60%
+sft_target_acc = 0.3  # > 0: stop once greedy accuracy on 256 train prompts reaches it (a fixed count is not robust)
 # rollout
 prompts_per_step = 32  # prompts per iteration, over all ranks
 num_generations = 8  # G: completions per prompt
 max_completion_length = 8
 temperature = 1.0  # sampling temperature; the loss's log-probs use it too, so the ratio is about the same policy
-top_k = None
-top_p = None
+top_k = None  # sample from the top_k likeliest tokens only
+top_p = None  # then from the smallest set of them holding top_p of their probability
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling = False  # DAPO: resample prompts whose groups all got the same reward
 max_resample_rounds = 4
-# loss: every setting of loss.grpo_loss is a config key too, with its default there, written once (beta, epsilon_low,
-# epsilon_high, delta, surrogate, importance_sampling_level, kl_estimator, sampler_correction, ...: loss.py says what
-# each does and which paper it comes from; the names are TRL's GRPOConfig's). The default run's choices:
+# loss: each keyword of loss.grpo_loss (beta, epsilon_low/high, delta, surrogate, ...; TRL's names) is a config key
+# with its default there, written once; loss.py maps each to its paper. The default run's choices:
 loss_type = 'dr_grpo'  # token sum / (sequences x max_completion_length), where grpo_loss's own default is 'grpo'
 scale_rewards = 'none'  # advantages r - mean(group), no std: 'group' or 'batch' divides by one
 advantage_estimator = 'grpo'  # the baseline: 'grpo' (group mean), 'rloo' (leave-one-out), 'reinforce_pp'
 multi_objective_aggregation = 'sum_then_normalize'  # or 'normalize_then_sum' (GDPO) for several reward functions
 kl_in_reward = False  # PPO's placement of the KL (beta > 0): in the reward, not in the loss (docs/kl.md)
 top_entropy_quantile = 1.0  # 80/20: the policy term on this share of the step's tokens, highest entropy first
-# LoRA: low-rank adapters on a frozen pretrained model (lora.py); the reference policy is the same model with its
-# adapters off, so beta > 0 costs no second copy of the weights
+# LoRA (lora.py): adapters on a frozen pretrained model; the reference is the base (adapters off): no second copy
 lora_rank = 0  # 0 = full fine-tuning
 lora_alpha = 32.0  # the adapters' output is scaled by lora_alpha / lora_rank
 lora_dropout = 0.0
@@ -127,15 +117,12 @@ ref_sync_every = 0  # copy the policy into the reference model every N iteration
 ref_model_mixup_alpha = 1.0  # at a sync, ref = alpha * policy + (1 - alpha) * ref (TR-DPO); 1 = a copy
 max_bad_steps = 3  # stop after this many non-finite steps in a row
 # system
-parallel = 'ddp'  # under torchrun: 'ddp' (each rank holds everything) or 'fsdp' (FSDP2: each holds 1/ranks of the
-# weights, gradients and AdamW state; for models whose training state does not fit one GPU)
+parallel = 'ddp'  # under torchrun: 'ddp' (replicas) or 'fsdp' (FSDP2: weights, gradients, AdamW state in shards)
 device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
-dtype = 'float32'  # 'float32', 'float64' (exactness tests), 'bfloat16'/'float16' (autocast), or 'auto': bfloat16
-# where its matmuls are at least 2x float32's (GPUs, CPUs with AMX), else float32 (measure.fastest_dtype)
+dtype = 'float32'  # 'float64' (tests), 'bfloat16'/'float16' (autocast), 'auto' (bf16 where 2x faster: measure.py)
 compile = False
 cuda_graphs = False  # on CUDA, replay generate's decode steps as CUDA graphs (engine.py): no host overhead per token
-gradient_checkpointing = False  # recompute each block in backward: activations of one block, not all; and the
-# output layer's logits, which are otherwise kept from forward (vocab x 4 bytes per completion token)
+gradient_checkpointing = False  # recompute each block and the output layer's logits in backward: less memory
 seed = 1337
 peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at start
 
@@ -154,36 +141,18 @@ check_device(device)
 distributed, rank, world_size, device = parallelism.init(device)  # under torchrun: DDP or FSDP
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
-# preemption: SIGTERM (what SLURM and Kubernetes send before a kill) or Ctrl-C asks for a checkpoint at the next
-# iteration boundary (stop_if_signalled); a second signal exits at once, leaving the last checkpoint as it is
-# (checkpoint.py's writes are atomic). A repeat within a second is the same request delivered twice: the terminal
-# sends Ctrl-C to every process and torchrun forwards what it gets to its workers.
-stop_signal, stop_time = 0, 0.0
-
-
-def on_signal(signum, frame):
-    global stop_signal, stop_time
-    if stop_signal and time.time() - stop_time > 1.0:
-        os._exit(128 + signum)
-    if not stop_signal:
-        stop_signal, stop_time = signum, time.time()
-signal.signal(signal.SIGTERM, on_signal)
-signal.signal(signal.SIGINT, on_signal)
+checkpoint.catch_stop_signals()  # SIGTERM or Ctrl-C: a checkpoint at the next iteration boundary
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 master = rank == 0
 if sft_iters is None:
     sft_iters = config['sft_iters'] = 0 if os.path.isdir(init_from) or init_from.endswith('.gguf') else 1000
 check_config(config, world_size)
 check_settings(config)
-state = checkpoint.load_state(out_dir) if init_from == 'resume' else None
+check_sampling(top_k, top_p)
 if parallel == 'fsdp' and not distributed:
     raise ConfigError("parallel='fsdp' shards over torchrun's processes: launch with torchrun (--nproc_per_node=1 "
                       "for one GPU), or use parallel='ddp'")
-was = (state['config'].get('parallel', 'ddp'), state.get('world_size', world_size)) if state else None
-if state and 'fsdp' in (parallel, was[0]) and was != (parallel, world_size):  # the optimizer state is in shards
-    raise ConfigError(f"{state['dir']} was written with parallel='{was[0]}' on {was[1]} rank(s); resume it with "
-                      f"--parallel={was[0]} and torchrun --nproc_per_node={was[1]} (this run: '{parallel}', "
-                      f"{world_size} rank(s))")
+state = checkpoint.load_state(out_dir, parallel, world_size) if init_from == 'resume' else None
 if not tokenizer:  # the checkpoint's own; a resumed run keeps the one it started with
     own = init_from.endswith('.gguf') or any(os.path.exists(os.path.join(init_from, f))
                                              for f in ('tokenizer.json', 'vocab.json'))
@@ -202,13 +171,8 @@ torch.backends.cudnn.allow_tf32 = True
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
 check_template(enc, chat_template)
-tokenizer_dir = (tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)) if os.path.exists(tokenizer) \
-    else None  # a checkpoint's tokenizer: its files go into our checkpoints too
 cfg.eos_ids = stop_ids(enc, chat_template, tokenizer if os.path.exists(tokenizer) else None)
-if tokenizer.endswith('.gguf'):  # the GGUF's tokenizer as Hugging Face files, for the checkpoints
-    tokenizer_dir = os.path.join(out_dir, 'tokenizer')
-    if master:
-        gguf_file.write_hf_tokenizer(tokenizer, tokenizer_dir)
+tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
 if wandb_log:
     try:
         import wandb  # optional: only when asked for
@@ -220,15 +184,8 @@ test_rows = load_dataset(test_task or task, 'test', seed=seed, size=eval_size, *
 names, weights = (reward_funcs, reward_weights or (1.0,) * len(reward_funcs)) if reward_funcs else \
     default_reward(task, train_rows)
 reward_fns, reward_weights = get_reward_fns(names), list(weights)  # the first one is the accuracy of the logs
-if len(train_rows) < prompts_per_step:
-    raise ConfigError(f"{task} has {len(train_rows)} prompts but prompts_per_step={prompts_per_step}; "
-                      f"lower prompts_per_step or add data")
-for rows, name in ((train_rows, task), (test_rows, test_task or task)):
-    longest = max(len(encode_prompt(r['prompt'], cfg, enc)) for r in rows)
-    if longest + max_completion_length > block_size:
-        raise ConfigError(f"{name}: longest prompt is {longest} tokens, + max_completion_length="
-                          f"{max_completion_length} > block_size={block_size}; shorten prompts or "
-                          f"max_completion_length, or raise block_size")
+check_rows(train_rows, task, cfg, enc, least=prompts_per_step)
+check_rows(test_rows, test_task or task, cfg, enc)
 
 
 # model
@@ -251,142 +208,120 @@ if lora_rank:  # the adapters' random A is drawn from the seeded generator: the 
     lora.add_lora(model, lora_rank, lora_alpha, lora_dropout, lora_targets or 'all-linear')
     if init_from == 'resume' and (master or not fsdp):
         lora.load_adapter(model, os.path.join(state['dir'], 'adapter'))
-raw_model = model
 fsdp_bf16 = device_type == 'cuda' and dtype == 'bfloat16'  # FSDP's mixed precision: bf16 compute copies
-if fsdp:  # in place: raw_model is the sharded model, each rank's shards sent by rank 0
-    whole = model.state_dict() if master else {}
-    parallelism.shard(raw_model, fsdp_bf16)
-    parallelism.load_whole(raw_model.to_empty(device=device), lambda: whole)
-    del whole
-if compile:
-    model = torch.compile(model)  # the training forward, i.e. the log-prob path
-    # generate's step, sampling included: one graph, except under FSDP, whose hooks around each block break it
-    raw_model.decode = torch.compile(raw_model.decode, fullgraph=not fsdp)
+model, raw_model = parallelism.wrap(model, device=device, fsdp=fsdp, bf16=fsdp_bf16, compile=compile)
 raw_model.decode_graphs = cuda_graphs and device_type == 'cuda'
-if distributed and not fsdp:
-    model = DDP(model, device_ids=[int(device.split(':')[1])] if device_type == 'cuda' else None)
 
 
 def make_optimizer(lr):
-    # weight decay on matrices only (nanoGPT); fused AdamW on CUDA saves a kernel launch per parameter
-    params = [p for p in raw_model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), fused=device_type == 'cuda')
+    return raw_model.configure_optimizer(lr=lr, weight_decay=weight_decay, betas=(beta1, beta2),
+                                         fused=device_type == 'cuda')
 
 
-def get_lr(step, total):
+def get_lr(step):
     if step < warmup_iters:
         return learning_rate * (step + 1) / (warmup_iters + 1)
     if lr_schedule == 'constant':
         return learning_rate
+    total = max_iters * num_iterations * steps_per_generation  # optimizer steps in the run
     ratio = min(1.0, (step - warmup_iters) / max(1, total - warmup_iters))
     return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * ratio)))
 
 
-def policy_update(batch, optimizer, step, total_steps):
-    """mu passes of steps_per_generation optimizer steps over the rollout batch.
-    Returns (stats, step count, non-finite steps skipped, seconds per phase)."""
-    B = batch['idx'].shape[0]
-    rows = B // steps_per_generation  # this rank's completions per optimizer step
-    accum = rows // micro_batch_size
-    sums, bad, times, t, dev = {}, 0, {}, time.perf_counter(), batch['idx'].device
-    tokens = placed = rows_tokens = flops = 0  # through the model, those not padding, the rows' own, model FLOPs
+def forward_backward(mb, num_sequences, num_tokens):
+    """One micro-batch (rows packed: rollout.micro_batches): its log-probs and entropies, grpo_loss, backward.
+    Returns the loss's stats and what it ran: (tokens in the sequences, tokens not padding, model FLOPs)."""
+    with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
+        need = mb['mask'].sum(1)  # (b,) the output layer runs on the tokens the loss counts only
+        logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1], temperature=temperature,
+                               entropy=True, lengths=need, pos=mb['pos'])
+    as_logps = lambda key: mb[key].to(logps.dtype)
+    loss, stats = grpo_loss(logps, None if cfg.on_policy else as_logps('old_logps'), mb.get('ref_logps'),
+                            as_logps('advantages'), mb['mask'], **loss_config, num_sequences=num_sequences,
+                            num_tokens=num_tokens, sampler_logps=as_logps('sampler_logps'), entropy=entropy,
+                            entropy_mask=mb.get('entropy_mask'))
+    (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss contract wants the sum
+    (b, T), n = mb['idx'].shape, int(need.sum())
+    return stats, (b * T, mb['tokens'], raw_model.update_flops(b, T, n / b))
+
+
+def policy_update(batch, times):
+    """num_iterations passes of steps_per_generation optimizer steps over this rank's rollout batch, each step over
+    micro-batches (gradient accumulation). Returns the stats to log, over every rank; adds each phase's seconds to
+    times."""
+    global step
+    rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
+    sums, ran, bad = {}, torch.zeros(4, dtype=torch.float64), 0  # ran: tokens run, not padding, the rows' own; FLOPs
     for _ in range(num_iterations):
         for s in range(steps_per_generation):
             part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
-            # the whole step's normalisers: every micro-batch of every rank divides by the same numbers
-            num_tokens = all_sum(part['mask'].sum().float())
-            rows_tokens += (part['start'] + part['mask'].sum(1)).sum().item()  # prompt and completion tokens
-            if top_entropy_quantile < 1:  # 80/20: the top share by entropy under the policy as it is now, over the
-                # whole step (all ranks, all micro-batches), so the choice does not depend on the split
-                with gathered(raw_model):
-                    entropy = logprobs(raw_model, part, cfg, entropy=True)[1]  # (rows, C)
-                part['entropy_mask'] = entropy >= entropy_threshold(gather(entropy), gather(part['mask']),
-                                                                    top_entropy_quantile)
-            t = lap(times, 'comm', t, dev)
-            for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):  # rows packed, no padding
-                parallelism.set_grad_sync(model, m == accum - 1)  # reduce the gradients on the last one only
-                with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
-                    need = mb['mask'].sum(1)  # (b,) the output layer runs on the tokens the loss counts only
-                    logps, entropy = model(mb['idx'], mb['start'], mb['mask'].shape[1], temperature, True, need,
-                                           mb['pos'])
-                (b, T), n = mb['idx'].shape, int(need.sum())
-                tokens, placed = tokens + b * T, placed + mb['tokens']
-                flops += raw_model.update_flops(b, T, n / b)
-                loss, stats = grpo_loss(
-                    logps, None if cfg.on_policy else mb['old_logps'].to(logps.dtype), mb.get('ref_logps'),
-                    mb['advantages'].to(logps.dtype), mb['mask'], **loss_config, num_sequences=rows * world_size,
-                    num_tokens=num_tokens, sampler_logps=mb['sampler_logps'].to(logps.dtype), entropy=entropy,
-                    entropy_mask=mb.get('entropy_mask'))
-                (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss contract wants the sum
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v.detach().double()
-            t = lap(times, 'backward', t, dev)  # forward + backward; DDP's gradient all-reduce overlaps the last one
-            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-            norm = full(norm)  # FSDP: a replicated DTensor
-            t = lap(times, 'optimizer', t, dev)
-            # every rank sees the same all-reduced gradient, but a NaN on one rank must stop them all together
-            nonfinite = all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() > 0
-            t = lap(times, 'comm', t, dev)
-            if nonfinite:
-                bad += 1
-            else:
-                for group in optimizer.param_groups:
-                    group['lr'] = get_lr(step, total_steps)
-                optimizer.step()
-                step += 1
-            optimizer.zero_grad(set_to_none=True)
-            t = lap(times, 'optimizer', t, dev)
-    n = num_iterations * steps_per_generation * accum * world_size
+            with phase(times, 'comm', device):
+                num_tokens = all_sum(part['mask'].sum().float())  # the step's normaliser, the same on every rank
+                if top_entropy_quantile < 1:
+                    part['entropy_mask'] = top_entropy_mask(raw_model, part, cfg)
+            ran[2] += (part['start'] + part['mask'].sum(1)).sum().item()  # the rows' prompt and completion tokens
+            with phase(times, 'backward', device):  # forward + backward; DDP's all-reduce overlaps the last one
+                for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):
+                    parallelism.set_grad_sync(model, m == rows // micro_batch_size - 1)  # reduce on the last only
+                    stats, (tokens, placed, flops) = forward_backward(mb, rows * world_size, num_tokens)
+                    ran += torch.tensor([tokens, placed, 0, flops], dtype=torch.float64)
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v.detach().double()
+            with phase(times, 'optimizer', device):
+                limit = grad_clip if grad_clip > 0 else math.inf
+                norm = full(torch.nn.utils.clip_grad_norm_(raw_model.parameters(), limit))  # FSDP: a DTensor
+            with phase(times, 'comm', device):  # the ranks share one gradient, but a NaN on one must stop them all
+                finite = all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() == 0
+            with phase(times, 'optimizer', device):
+                if finite:
+                    for group in optimizer.param_groups:
+                        group['lr'] = get_lr(step)
+                    optimizer.step()
+                    step += 1
+                bad += not finite
+                optimizer.zero_grad(set_to_none=True)
+    n = num_iterations * steps_per_generation * (rows // micro_batch_size) * world_size  # micro-batches in all
     stats = dict(zip(sums, (all_sum(torch.stack(list(sums.values()))) / n).tolist()))
-    stats.update(grad_norm=norm.item(), lr=get_lr(max(step - 1, 0), total_steps), flops=flops)
-    tokens, placed, rows_tokens = all_sum(torch.tensor([tokens, placed, rows_tokens], dtype=torch.float64)).tolist()
-    # over all ranks: the padding's share of what ran, and the share of the rows' tokens a shared prompt saved
-    stats.update(train_tokens=tokens, pad_share=1 - placed / tokens, saved_share=1 - placed / rows_tokens)
-    return stats, step, bad, times
+    tokens, placed, own, flops = all_sum(ran).tolist()
+    # the padding's share of what ran, and the share of the rows' tokens a shared prompt saved
+    return dict(stats, grad_norm=norm.item(), lr=get_lr(max(step - 1, 0)), flops=flops, train_tokens=tokens,
+                pad_share=1 - placed / tokens, saved_share=1 - placed / own, bad_steps=bad)
 
 
 def save(it):
-    if not fsdp:  # DDP's ranks must hold the same weights; a cheap checksum catches a silent divergence
-        weights = torch.stack([p.double().sum() + (p.double() ** 2).sum() for p in raw_model.parameters()])
-        sums = gather(weights[None])
-        if not torch.equal(sums.min(0).values, sums.max(0).values):
-            raise RuntimeError(f"iteration {it}: the ranks' parameters differ (checksums {sums.sum(1).tolist()}); "
-                               f"not saving. This is a bug or a hardware fault; resume from the last checkpoint")
+    """Checkpoint the state before iteration it (never right after a skipped step: the latest is always good)."""
+    global saved_it
+    parallelism.check_replicas(raw_model, it)
     # LoRA: the base is frozen, so the run's last checkpoint (saved or resumed from) holds ours: link its files
     base_from = os.path.join(out_dir, checkpoint.read_json(os.path.join(out_dir, 'latest'))) \
         if lora_rank and saved_it is not None else None
-    checkpoint.save(out_dir, it, raw_model, optimizer, ref_model,
-                    dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size), tokenizer_dir,
-                    lora_save_merged, base_from)
+    checkpoint.save(out_dir, it, model=raw_model, optimizer=optimizer, ref_model=ref_model,
+                    trainer_state=dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size),
+                    tokenizer_dir=tokenizer_dir, save_merged=lora_save_merged, base_from=base_from)
+    saved_it = it
 
 
 def stop_if_signalled(it):
     """At an iteration boundary, where the weights are the state before iteration `it`: if any rank got a signal,
     all of them save that state, print how to resume, and exit with 128 + the signal's number. A rollout in
     progress is dropped (resume samples it again, identically); an update in progress is finished first."""
-    sig = torch.tensor(stop_signal)
-    if distributed:  # every rank reaches this line, so they all see the same decision
-        dist.all_reduce(sig, op=dist.ReduceOp.MAX)
-    if not sig.item():
+    sig = checkpoint.stop_requested()
+    if not sig:
         return
     if bad_in_row == 0 and it != saved_it:
         save(it)
     if master:
-        args = [a for a in sys.argv[1:] if not a.startswith('--init_from=')] + ['--init_from=resume']
-        local = int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
-        launcher = ['python'] if not distributed else ['torchrun', '--standalone', f'--nproc_per_node={world_size}'] \
-            if local == world_size else ['torchrun', "<this run's torchrun options>"]
-        where = checkpoint.read_json(os.path.join(out_dir, 'latest'))
-        print(f"stopped by {signal.Signals(sig.item()).name} before iteration {it}: " + (
-            f"{out_dir}/{where} holds the run; resume with:\n{shlex.join(launcher + [sys.argv[0]] + args)}" if where
-            else "no checkpoint to resume from (the first steps were non-finite)"), flush=True)
+        print(checkpoint.stopped_message(sig, it, out_dir, world_size), flush=True)
+    finish(128 + sig)
+
+
+def finish(code=0):
     if master and wandb_log:
         wandb.finish()
     if distributed:
-        parallelism.end(128 + sig.item())
-    raise SystemExit(128 + sig.item())
+        parallelism.end(code)
+    if code:
+        raise SystemExit(code)
 
 
 def log(metrics, line):
@@ -399,11 +334,45 @@ def log(metrics, line):
         wandb.log(metrics, step=metrics["iter"])  # the x-axis is the iteration, eval and train alike
 
 
+def evaluate_and_log(it):
+    with gathered(raw_model):  # FSDP: the whole weights for the sampler, gathered once
+        metrics, samples = evaluate(raw_model, test_rows, it=it, rank=rank, cfg=cfg, enc=enc, reward_fn=reward_fns[0],
+                                    every=progress_interval if master else math.inf)
+    log(dict(metrics, iter=it), report(metrics, samples, it))
+
+
+def sync_reference(it):
+    """TR-DPO: every ref_sync_every iterations ref = alpha * policy + (1 - alpha) * ref (lerp with alpha 1 copies)."""
+    if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:
+        with torch.no_grad():
+            for ref_p, p in zip(ref_model.parameters(), raw_model.parameters()):
+                ref_p.lerp_(p, ref_model_mixup_alpha)
+
+
+def log_iteration(it, info, stats, times, clock, mem_mb):
+    """The iteration's line and metrics.jsonl record: the rollout's numbers gathered over ranks, then the update's.
+    times: the update's seconds per phase; clock: the iteration's start, the update's start, its end."""
+    for k, v in info['time'].items():  # the rollout's seconds per phase; 'comm' has parts in both
+        times[k] = times.get(k, 0.0) + v
+    update = clock[2] - clock[1]
+    m = dict(iter=it, **rollout_metrics(info, num_generations, reward_fns, device),
+             train_tok_s=stats.pop('train_tokens') / update, mfu=stats.pop('flops') / update / peak,
+             dt=clock[2] - clock[0], mem_mb=mem_mb, **parallelism.resident_mb(raw_model, optimizer, ref_model),
+             **stats, **{f'time/{k}': v for k, v in times.items()})
+    others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in reward_fns[1:])  # e.g. the format
+    eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
+    log(m, f"iter {it}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}{others} | "
+           f"flat {m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl "
+           f"{m['kl']:.4f} | entropy {m['entropy']:.2f} | clip {m['clip_ratio/region']:.3f} | gnorm "
+           f"{m['grad_norm']:.2f} | lr {m['lr']:.1e} | rollout {m['rollout_tok_s']:.0f} tok/s | train "
+           f"{m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | {m['dt']:.2f}s | eta {hms(eta)}" +
+        (f" | {m['bad_steps']} non-finite step(s) skipped" if m['bad_steps'] else ""))
+
+
 # -----------------------------------------------------------------------------
 os.makedirs(out_dir, exist_ok=True)
 if master and wandb_log:  # its files go with the run's: out_dir/wandb (WANDB_MODE=offline keeps them local)
     wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
-total_steps = max_iters * num_iterations * steps_per_generation
 optimizer = make_optimizer(learning_rate)
 iter_start, step, bad_in_row, saved_it = 0, 0, 0, None
 if init_from == 'resume':
@@ -412,23 +381,17 @@ if init_from == 'resume':
     checkpoint.load_optimizer(state['dir'], optimizer, rank if fsdp else None)
 elif sft_iters > 0:
     t = time.time()
-    how = warm_start(model, raw_model, make_optimizer(sft_learning_rate), train_rows, cfg, enc, reward_fns[0], rank)
+    how = warm_start(model, raw_model, optimizer=make_optimizer(sft_learning_rate), rows=train_rows, cfg=cfg, enc=enc,
+                     reward_fn=reward_fns[0], rank=rank)
     if master:
         print(f"warm start: {how} ({time.time() - t:.1f}s)", flush=True)
 ref_model = None
 if beta > 0 and lora_rank:
     ref_model = raw_model  # the policy itself: rollout.py computes the reference's log-probs with the adapters off
 elif beta > 0:  # the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
-    # a new module, not a deepcopy of the policy, which would share its compiled decode step
-    with torch.device('meta' if fsdp else device):  # FSDP: sharded before it takes any memory
-        ref_model = GPT(raw_model.config).to(dtype=param_dtype).eval().requires_grad_(False)
-    if fsdp:  # sharded like the policy, so the state dicts below match shard for shard
-        parallelism.shard(ref_model, fsdp_bf16).to_empty(device=device)
-    if init_from == 'resume':
-        parallelism.load_whole(ref_model, lambda: GPT.from_pretrained(os.path.join(state['dir'], 'ref'),
-                                                                      dtype=param_dtype).state_dict())
-    else:
-        ref_model.load_state_dict(raw_model.state_dict())
+    saved = lambda: GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict()
+    ref_model = parallelism.frozen_copy(raw_model, device=device, dtype=param_dtype, bf16=fsdp_bf16,
+                                        read=saved if init_from == 'resume' else None)
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]  # in the dtype the update computes in
 if master:
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
@@ -440,54 +403,29 @@ for it in range(iter_start, max_iters + 1):
         stop_if_signalled(it)
     evaluating = eval_interval and (it % eval_interval == 0 or it == max_iters)
     if evaluating:
-        with gathered(raw_model):  # FSDP: the whole weights for the sampler, gathered once
-            metrics, samples = evaluate(raw_model, test_rows, it, rank, cfg, enc, reward_fns[0],
-                                        progress_interval if master else math.inf)
-        log(dict(metrics, iter=it), f"eval {it}: greedy acc {metrics['eval/greedy_acc']:.3f} | " +
-            " | ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k))
-        for prompt, completion in samples if master else ():
-            print(f"    {prompt!r} -> {completion!r}")
+        evaluate_and_log(it)
     if it > iter_start and (save_interval and it % save_interval == 0 or it == max_iters) and bad_in_row == 0:
-        save(it)  # never right after a skipped step: the latest checkpoint is always a good one
-        saved_it = it
+        save(it)
     if it == max_iters:
         break
     if evaluating:
         stop_if_signalled(it)  # an evaluation can take a while
-    if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:
-        with torch.no_grad():  # TR-DPO: ref = alpha * policy + (1 - alpha) * ref; lerp with alpha = 1 copies exactly
-            for ref_p, p in zip(ref_model.parameters(), raw_model.parameters()):
-                ref_p.lerp_(p, ref_model_mixup_alpha)
+    sync_reference(it)
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout's randomness follows the iteration: resume is exact
     t0 = time.perf_counter()
     with gathered(raw_model, ref_model):  # FSDP: gathered once for all of generate's steps and the log-prob passes
-        batch, info = rollout(raw_model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights)
+        # sample G completions per prompt, score them, and their group advantages
+        batch, info = rollout(raw_model, ref_model, train_rows=train_rows, it=it, rank=rank, cfg=cfg, enc=enc,
+                              reward_fns=reward_fns, reward_weights=reward_weights)
     mem_rollout, t1 = memory_mb(device), time.perf_counter()
     stop_if_signalled(it)  # the rollout is the long part; resume redoes it exactly
-    stats, step, bad, times = policy_update(batch, optimizer, step, total_steps)
-    mem_train, t2 = memory_mb(device), time.perf_counter()
-    bad_in_row = bad_in_row + bad if bad else 0
+    times = {}
+    stats = policy_update(batch, times)  # the optimizer steps over the rollout batch
+    bad_in_row = bad_in_row + stats['bad_steps'] if stats['bad_steps'] else 0
     if bad_in_row >= max_bad_steps:
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
                          f"(iteration {it}); the last good checkpoint in {out_dir} is intact. Lower learning_rate "
                          f"or check the rewards, then resume with init_from='resume'")
-    # logging: the rollout's numbers gathered over ranks first, so the line describes the whole step
-    m = dict(iter=it, **rollout_metrics(info, num_generations, reward_fns, device), bad_steps=bad,
-             train_tok_s=stats.pop('train_tokens') / (t2 - t1), mfu=stats.pop('flops') / (t2 - t1) / peak, dt=t2 - t0,
-             mem_mb=max(mem_rollout, mem_train), **parallelism.resident_mb(raw_model, optimizer, ref_model), **stats)
-    for k, v in info['time'].items():  # seconds per phase; 'comm' has parts in both
-        m[f'time/{k}'] = v + times.pop(k, 0.0)
-    m.update({f'time/{k}': v for k, v in times.items()})
-    others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in reward_fns[1:])  # e.g. the format
-    eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
-    log(m, f"iter {it}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}{others} | "
-           f"flat {m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl "
-           f"{m['kl']:.4f} | entropy {m['entropy']:.2f} | clip {m['clip_ratio/region']:.3f} | gnorm "
-           f"{m['grad_norm']:.2f} | lr {m['lr']:.1e} | rollout {m['rollout_tok_s']:.0f} tok/s | train "
-           f"{m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | {m['dt']:.2f}s | eta {hms(eta)}" +
-        (f" | {bad} non-finite step(s) skipped" if bad else ""))
+    log_iteration(it, info, stats, times, (t0, t1, time.perf_counter()), max(mem_rollout, memory_mb(device)))
 
-if master and wandb_log:
-    wandb.finish()
-if distributed:
-    parallelism.end()
+finish()

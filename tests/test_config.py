@@ -6,6 +6,7 @@ import pytest
 
 from configurator import ConfigError, check_config, configure
 from loss import check_settings, settings
+from sampling import check_sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +88,8 @@ def test_bad_config_files(tmp_path):
     (dict(init_from='/no/such/dir'), 1, "is neither 'scratch', 'resume', a Hugging Face checkpoint directory nor a "
                                         ".gguf file"),
     (dict(init_from='resume', out_dir='/no/such/out'), 1, "holds no checkpoint"),
-    (dict(top_p=1.5), 1, "top_p must be None or in (0, 1]"),
+    (dict(top_p=1.5), 1, "top_p=1.5 must be None or in (0, 1]"),
+    (dict(top_k=0), 1, "top_k=0 must be None or an int > 0"),
     # the second wave of loss knobs (issue 12)
     (dict(surrogate='sapo', sapo_temperature_neg=0.0), 1, "sapo_temperature_neg=0.0 must be > 0"),
     (dict(surrogate='vespo', vespo_lambda_pos=-1.0), 1, "vespo_lambda_pos=-1.0 must be > 0"),
@@ -120,4 +122,5 @@ def test_impossible_combinations(overrides, world, message):
     with pytest.raises(ConfigError) as e:  # train.py's checks before any work: the trainer's, then the loss's
         check_config(c, world)
         check_settings(c)
+        check_sampling(c['top_k'], c['top_p'])
     assert message in str(e.value)

@@ -287,7 +287,8 @@ def test_generate_is_seeded_and_restores_mode(tiny):
     assert a[0].dtype == torch.long and a[1].dtype == torch.bool and a[2].dtype == torch.float32
 
 def test_generate_rejects_bad_prompts(tiny):
-    with pytest.raises(ValueError, match=r"prompt 1 has 120 tokens and max_new_tokens is 10.*block_size 128"):
+    with pytest.raises(ValueError, match=r"prompt 1 \(120 tokens\) \+ max_new_tokens \(10\): 130 tokens, more "
+                                         r"than block_size 128"):
         tiny.generate([[1, 2], [3] * 120], 10)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         tiny.generate([[]], 5)
