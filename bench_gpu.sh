@@ -24,10 +24,11 @@ step() { local limit=$1; shift; log "$*"; timeout "$limit" "$@" 2>&1 | tee -a "$
 tests() { step 240 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda.py; }
 
 # a decode step at 64 and 256 rows, cache 640 columns: eager, and replayed as a CUDA graph (no host work at all),
-# casting the float32 weights at every step or reading bf16 copies of them (engine.half_weights)
+# casting the float32 weights at every step or reading bf16 copies of them (cuda_graphs.half_weights)
 probe() { step 60 python3 - "$OUT/decode_graph.json" <<'EOF'
 import json, sys, torch
-import bench, engine
+import cuda_graphs
+from benchmarks import common as bench
 from measure import timed
 res = {}
 for preset in ("gpt2", "qwen2.5-0.5b"):
@@ -53,14 +54,15 @@ for preset in ("gpt2", "qwen2.5-0.5b"):
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, cache_enabled=False), torch.cuda.graph(g):
             model.decode(tok, pos, kv, col, mask, u, 1.0, None, None)
         graph = timed(g.replay, "cuda", 20)
-        # the same step reading bf16 copies of the matmuls' weights (engine.half_weights), as generate's graphs do
-        half = engine.half_weights(model, dict(half={}, graphs={}), torch.bfloat16)
+        # the same step reading bf16 copies of the matmuls' weights (cuda_graphs.half_weights), as generate's graphs
+        # do
+        half = cuda_graphs.half_weights(model, dict(half={}, graphs={}), torch.bfloat16)
         inputs = dict(tok=tok, pos=pos, kv=kv, col=col, key_mask=mask, u=u, temperature=1.0, top_k=None, top_p=None)
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
-            engine._step(model, half, **inputs)  # warm-up
+            cuda_graphs._step(model, half, **inputs)  # warm-up
         g2 = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, cache_enabled=False), torch.cuda.graph(g2):
-            engine._step(model, half, **inputs)
+            cuda_graphs._step(model, half, **inputs)
         graph_half = timed(g2.replay, "cuda", 20)
         weights = sum(p.numel() for p in model.parameters()) * 2  # bf16 weights read once per step
         cache = 2 * cfg.n_layer * rows * cfg.n_kv_head * S * cfg.head_dim * 2
@@ -87,10 +89,11 @@ step 120 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16
 # of 512, on a random Qwen2.5-0.5B: 3 iterations; prompts of 150 random letters (the byte tokenizer: a token each)
 gsm8k() { python3 - "$TMP" <<'EOF'
 import os, sys
-import bench
+from benchmarks import common as bench
+from benchmarks.runs import task_file
 model = bench.build_model(bench.get_args(["--preset", "qwen2.5-0.5b", "--device", "cpu"]))
 model.save_pretrained(os.path.join(sys.argv[1], "qwen05"))
-bench.task_file(bench.get_args(["--prompt_len", "150"]), sys.argv[1])
+task_file(bench.get_args(["--prompt_len", "150"]), sys.argv[1])
 EOF
 step 120 python3 train.py config/qwen_gsm8k.py --init_from="$TMP/qwen05" --tokenizer=bytes --chat_template=none \
     --system_prompt=None --task="$TMP/{split}.jsonl" --max_iters=3 --eval_interval=0 --save_interval=0 \
@@ -100,7 +103,7 @@ cp "$TMP/run_gsm8k/metrics.jsonl" "$OUT/qwen_gsm8k_metrics.jsonl" 2>/dev/null; }
 # config/qwen_countdown.py the same way on a random Qwen2.5-3B (32 x 8 rows, completions of 1024): 2 iterations
 countdown() { python3 - "$TMP" <<'EOF'
 import os, sys
-import bench
+from benchmarks import common as bench
 bench.build_model(bench.get_args(["--preset", "qwen2.5-3b", "--device", "cpu"])).save_pretrained(
     os.path.join(sys.argv[1], "qwen3b"))
 EOF

@@ -18,8 +18,9 @@ import json
 import os
 import random
 
+from chat import encode_prompt
 from configurator import ConfigError
-from reward import RESERVED_COLUMNS, to_number
+from reward import RESERVED_COLUMNS, get_reward_fns, to_number
 
 TEST_PERCENT = 10  # share of all problems, by prompt hash, held out for evaluation
 DEFAULT_SIZE = {"train": 10000, "test": 500}
@@ -236,3 +237,29 @@ def default_reward(name, rows):
     # \boxed{} where it asks for one (the GSM8K layout's prompt does), else ending on the number
     boxed = all("\\boxed" in row["prompt"] for row in rows)
     return ["numeric_match", "boxed" if boxed else "format"], [1.0, 0.1]
+
+
+def check_rows(rows, name, cfg, enc, least=1):
+    """A dataset's rows fit the run: at least `least` prompts (the training set: a step's), each with the longest
+    completion within block_size (at start-up, not at the first long prompt hours in)."""
+    if len(rows) < least:
+        raise ConfigError(f"{name} has {len(rows)} prompts but prompts_per_step={least}; "
+                          f"lower prompts_per_step or add data")
+    longest = max(len(encode_prompt(r['prompt'], cfg, enc)) for r in rows)
+    if longest + cfg.max_completion_length > cfg.block_size:
+        raise ConfigError(f"{name}: longest prompt is {longest} tokens, + max_completion_length="
+                          f"{cfg.max_completion_length} > block_size={cfg.block_size}; shorten prompts or "
+                          f"max_completion_length, or raise block_size")
+
+
+def load_task(cfg, enc):
+    """The run's data and rewards, with everything that can be wrong with them found now, before any work:
+    (train rows, held-out rows, reward functions, their weights). The first reward function is the accuracy the
+    logs and the evaluations report."""
+    train = load_dataset(cfg.task, 'train', seed=cfg.seed, **cfg.task_options)
+    test = load_dataset(cfg.test_task or cfg.task, 'test', seed=cfg.seed, size=cfg.eval_size, **cfg.task_options)
+    names, weights = (cfg.reward_funcs, cfg.reward_weights or (1.0,) * len(cfg.reward_funcs)) if cfg.reward_funcs \
+        else default_reward(cfg.task, train)
+    check_rows(train, cfg.task, cfg, enc, least=cfg.prompts_per_step)
+    check_rows(test, cfg.test_task or cfg.task, cfg, enc)
+    return train, test, get_reward_fns(names), list(weights)

@@ -23,13 +23,12 @@ from contextlib import nullcontext
 
 import torch
 
-from configurator import ConfigError
 from lora import adapters_off, has_adapters, merged
 from loss import decoupled_advantages, entropy_threshold, group_advantages, kl_divergence
 from measure import lap
 from parallelism import gather, gathered
 from reward import compute_rewards
-from tokenizer import render_chat
+from chat import encode_prompt
 
 
 def prompt_seed(*key):
@@ -66,26 +65,6 @@ def pack(prompts, completions, pad):
     for b, (p, c) in enumerate(zip(prompts, completions)):
         idx[b, :len(p) + len(c)] = torch.tensor(p + c)
     return idx, torch.tensor([len(p) for p in prompts])
-
-
-def encode_prompt(prompt, cfg, enc):
-    """A row's prompt (a string or a list of messages) as token ids: the text as it is, or rendered by the chat
-    template, whose special tokens then become their ids."""
-    text = render_chat(prompt, cfg.chat_template, cfg.system_prompt, cfg.enable_thinking)
-    return enc.encode_ordinary(text) if cfg.chat_template == 'none' else enc.encode(text, allowed_special='all')
-
-
-def check_rows(rows, name, cfg, enc, least=1):
-    """A dataset's rows fit the run: at least `least` prompts (the training set: a step's), each with the longest
-    completion within block_size (at start-up, not at the first long prompt hours in)."""
-    if len(rows) < least:
-        raise ConfigError(f"{name} has {len(rows)} prompts but prompts_per_step={least}; "
-                          f"lower prompts_per_step or add data")
-    longest = max(len(encode_prompt(r['prompt'], cfg, enc)) for r in rows)
-    if longest + cfg.max_completion_length > cfg.block_size:
-        raise ConfigError(f"{name}: longest prompt is {longest} tokens, + max_completion_length="
-                          f"{cfg.max_completion_length} > block_size={cfg.block_size}; shorten prompts or "
-                          f"max_completion_length, or raise block_size")
 
 
 def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):

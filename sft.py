@@ -16,7 +16,8 @@ from evaluate import greedy_hits
 from measure import ticker
 from model import GPT
 from parallelism import all_sum, full_state_dict, gathered
-from rollout import encode_prompt, pack, prompt_seed
+from chat import encode_prompt
+from rollout import pack, prompt_seed
 
 # the settings the cached weights depend on
 KEYS = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',

@@ -2,9 +2,7 @@
 Hugging Face tokenizers as tiktoken Encodings: load_hf_tokenizer(path) reads a checkpoint's tokenizer.json (or the
 older GPT-2 layout, vocab.json + merges.txt, or a .gguf file's metadata, which gguf_file.py turns into a
 tokenizer.json) and returns a tiktoken Encoding that tokenizes exactly as Hugging Face tokenizers does, and
-eos_ids(path) reads the ids that end a generation. render_chat() turns a prompt (a string or
-a list of messages) into the text of a model's chat template, and check_template() refuses a template whose special
-tokens the tokenizer lacks.
+eos_ids(path) reads the ids that end a generation. The chat templates are chat.py's.
 
 Why tiktoken: its Rust BPE is fast, it is already the project's tokenizer interface (encode_ordinary, encode,
 decode, eot_token, n_vocab), and it saves a dependency on `tokenizers`/`transformers` at run time.
@@ -321,96 +319,3 @@ def get_tokenizer(name):
         return load_hf_tokenizer(name)
     raise ConfigError(f"unknown tokenizer {name!r}; use 'bytes' (built in, no download), 'gpt2', a Hugging Face "
                       f"tokenizer.json or the directory that holds it, or a .gguf file")
-
-def stop_ids(enc, template="none", path=None):
-    """The ids that end a completion; the first is the one a finished answer is written with (warm start, padding):
-    the chat template's end of turn, then the eos ids of the checkpoint the tokenizer came from (path: its
-    directory, tokenizer.json or .gguf file; instruct models list several), then the tokenizer's end of text."""
-    turn_end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(template)
-    ids = [enc.encode_single_token(turn_end)] if turn_end else []
-    folder = path if path is None or os.path.isdir(path) or path.endswith(".gguf") else os.path.dirname(path)
-    ids += (folder and eos_ids(folder)) or []
-    ids += [enc.eot_token] if enc.eot_token is not None else []
-    return list(dict.fromkeys(ids))  # no repeats, first one first
-
-# -----------------------------------------------------------------------------
-# chat templates: the text each model's own Jinja template (tokenizer_config.json's chat_template) renders for a
-# conversation with add_generation_prompt=True, written out as plain string code
-
-# the system message that Qwen2-Instruct's and Qwen2.5-Instruct's templates insert when the first one is not
-QWEN2_SYSTEM = "You are a helpful assistant."
-QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # SmolLM2-Instruct's
-LLAMA3_DATES = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"  # Llama-3.1's system header
-TEMPLATE_TOKENS = {"none": (), "chatml": ("<|im_start|>", "<|im_end|>"),
-                   "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")}
-
-def _template_tokens(template):
-    if template not in TEMPLATE_TOKENS:
-        raise ConfigError(f"chat_template {template!r} is not one of {list(TEMPLATE_TOKENS)}")
-    return TEMPLATE_TOKENS[template]
-
-def check_template(enc, template):
-    """Refuse a chat template whose special tokens `enc` lacks: their text would be tokenized as plain text."""
-    missing = [t for t in _template_tokens(template) if t not in enc.special_tokens_set]
-    if missing:
-        raise ConfigError(f"chat_template {template!r} needs the special tokens {missing}, which tokenizer "
-                          f"{enc.name!r} lacks; use the template of the model's own tokenizer, or 'none'")
-
-def _messages(prompt):
-    """The messages of a prompt, checked: a string is one user message."""
-    if isinstance(prompt, str):
-        return [dict(role="user", content=prompt)]
-    if not isinstance(prompt, list) or not prompt:
-        raise ConfigError(f"a prompt is a string or a non-empty list of messages, not {prompt!r:.100}")
-    for i, m in enumerate(prompt):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            raise ConfigError(f"prompt message {i} is not a dict with the keys 'role' and 'content' only: {m!r:.100}")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise ConfigError(f"prompt message {i} has role {m['role']!r}, not 'system', 'user' or 'assistant'")
-        if not isinstance(m["content"], str):
-            raise ConfigError(f"prompt message {i} has content of type {type(m['content']).__name__}, not str")
-    # the model answers the last message; after an assistant one, Qwen3's template would also add a <think> block
-    if prompt[-1]["role"] != "user":
-        raise ConfigError(f"the last prompt message is from {prompt[-1]['role']!r}: it must be the user's, to answer")
-    return prompt
-
-def render_chat(prompt, template, system_prompt=None, enable_thinking=None):
-    """The text to tokenize (special tokens as text, for encode(allowed_special="all")) for `prompt`, a string or a
-    list of {"role", "content"} messages, ending with the header of the assistant's answer. `system_prompt` becomes
-    the first message when the first message is not a system one. The templates, and what each reproduces exactly:
-
-    'none': a string prompt as it is (no messages, system_prompt or enable_thinking).
-    'chatml': Qwen2, Qwen2.5 and Qwen3's templates. Qwen2's and Qwen2.5's insert a default system message when the
-        first message is not one: give them system_prompt=QWEN2_SYSTEM / QWEN25_SYSTEM to match them byte for byte
-        (without it this is Qwen3's, which has none). enable_thinking is Qwen3's switch: False opens the answer with an
-        empty <think> block, True and None (thinking, its default) add nothing. Deliberate difference: an assistant
-        turn is rendered as given, where Qwen3's drops the <think>...</think> reasoning from past turns.
-    'llama3': Llama-3.1/3.2/3.3-Instruct's template: a system header always, holding the date lines LLAMA3_DATES and
-        then the system message if any, and every message's content stripped (its `| trim`). Deliberate difference:
-        the date is always 26 Jul 2024, the default of Llama-3.1's template (Llama-3.2's uses today's date where
-        strftime_now is defined, as in transformers), so that a prompt's tokens never change. Llama-3.0's template
-        (no system header unless given, no date lines) is not reproduced.
-    """
-    _template_tokens(template)
-    if template == "none":
-        if not isinstance(prompt, str):
-            raise ConfigError("the prompt is a list of messages: set chat_template to 'chatml' or 'llama3' to "
-                              "render it")
-        if system_prompt is not None or enable_thinking is not None:
-            raise ConfigError("system_prompt and enable_thinking need chat_template 'chatml' or 'llama3', not 'none'")
-        return prompt
-    if enable_thinking is not None and template != "chatml":
-        raise ConfigError(f"enable_thinking is Qwen3's switch (chat_template 'chatml'); {template!r} has none")
-    messages = _messages(prompt)
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [dict(role="system", content=system_prompt), *messages]
-    if template == "chatml":
-        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return turns + "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if enable_thinking is False else "")
-    def header(role):
-        return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
-    system, messages = (messages[0]["content"], messages[1:]) if messages[0]["role"] == "system" else ("", messages)
-    turns = "".join(header(m["role"]) + m["content"].strip() + "<|eot_id|>" for m in messages)
-    return (f"<|begin_of_text|>{header('system')}{LLAMA3_DATES}{system.strip()}<|eot_id|>" + turns +
-            header("assistant"))

@@ -28,18 +28,18 @@ import checkpoint
 import lora
 import parallelism
 from configurator import ConfigError, check_config, check_device, configure
-from data import default_reward, load_dataset
+from data import load_task
 from evaluate import evaluate, report
 from loss import check_settings, grpo_loss
 from loss import settings as loss_settings
 from measure import fastest_dtype, hms, matmul_peak, memory_mb, phase
 from model import GPT, GPTConfig
 from parallelism import all_sum, full, gathered
-from reward import get_reward_fns
 from sampling import check_sampling
-from rollout import check_rows, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
+from rollout import micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
 from sft import warm_start
-from tokenizer import check_template, get_tokenizer, stop_ids
+from chat import check_template, stop_ids
+from tokenizer import get_tokenizer
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
@@ -59,7 +59,7 @@ task_options = {}  # a built-in task's options (see data.py); {} = its defaults 
 test_task = ''  # held-out data: '' = the task's own test split
 tokenizer = ''  # 'bytes', 'gpt2' (tiktoken's), a tokenizer.json or its directory, a .gguf; '' = init_from's or 'bytes'
 chat_template = 'none'  # 'none' (the prompt as it is), 'chatml' (Qwen2/2.5/3) or 'llama3' (see tokenizer.py)
-system_prompt = None  # a system message for prompts without one (tokenizer.QWEN25_SYSTEM is Qwen2.5's default)
+system_prompt = None  # a system message for prompts without one (chat.QWEN25_SYSTEM is Qwen2.5's default)
 enable_thinking = None  # Qwen3's switch: False opens each answer with an empty <think> block
 reward_funcs = ()  # reward function names from reward.py; () = the task's default
 reward_weights = ()  # one weight per reward function; () = all 1
@@ -179,13 +179,7 @@ if wandb_log:
     except ImportError:
         raise ConfigError("wandb_log=True needs the wandb package: pip install wandb (or pip install -r "
                           "requirements-extra.txt), or drop wandb_log") from None
-train_rows = load_dataset(task, 'train', seed=seed, **task_options)
-test_rows = load_dataset(test_task or task, 'test', seed=seed, size=eval_size, **task_options)
-names, weights = (reward_funcs, reward_weights or (1.0,) * len(reward_funcs)) if reward_funcs else \
-    default_reward(task, train_rows)
-reward_fns, reward_weights = get_reward_fns(names), list(weights)  # the first one is the accuracy of the logs
-check_rows(train_rows, task, cfg, enc, least=prompts_per_step)
-check_rows(test_rows, test_task or task, cfg, enc)
+train_rows, test_rows, reward_fns, reward_weights = load_task(cfg, enc)
 
 
 # model

@@ -32,7 +32,8 @@ from model import GPT, GPTConfig  # noqa: E402
 from reward import get_reward_fns  # noqa: E402
 from rollout import is_flat, rollout  # noqa: E402
 from sampling import sample  # noqa: E402
-from tokenizer import get_tokenizer, stop_ids  # noqa: E402
+from chat import stop_ids  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
 
 DT = torch.float64
 # the runs: the default recipe with room to ramble (completions of up to 32 tokens, not 8), no evaluation

@@ -22,7 +22,8 @@ import gguf_file  # noqa: E402
 from configurator import ConfigError  # noqa: E402
 from gguf_writer import gguf_name, llama_cpp_order, tiny_model, write_gguf  # noqa: E402
 from model import GPT  # noqa: E402
-from tokenizer import get_tokenizer, load_hf_tokenizer, stop_ids  # noqa: E402
+from chat import stop_ids  # noqa: E402
+from tokenizer import get_tokenizer, load_hf_tokenizer  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 BPE_REF = os.path.join(HERE, "fixtures", "tiny-bpe-a", "reference.json")

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 import gguf_file
 from model import GPT
 from test_train import metrics, run
-from tokenizer import SMOLLM2_SYSTEM, bytes_to_unicode, get_tokenizer, load_hf_tokenizer, render_chat, stop_ids
+from chat import SMOLLM2_SYSTEM, render_chat, stop_ids
+from tokenizer import bytes_to_unicode, get_tokenizer, load_hf_tokenizer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2")
 with open(os.path.join(FIXTURE, "reference.json"), encoding="utf-8") as f:

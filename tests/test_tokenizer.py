@@ -17,8 +17,8 @@ import pytest
 import regex
 import tiktoken
 
-from tokenizer import (GPT2_PATTERN, QWEN2_SYSTEM, QWEN25_SYSTEM, _hf_bpe, _unreachable, bytes_to_unicode,
-                       check_template, eos_ids, get_tokenizer, load_hf_tokenizer, render_chat, stop_ids)
+from chat import QWEN2_SYSTEM, QWEN25_SYSTEM, check_template, render_chat, stop_ids
+from tokenizer import GPT2_PATTERN, _hf_bpe, _unreachable, bytes_to_unicode, eos_ids, get_tokenizer, load_hf_tokenizer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-bpe-a")
 with open(os.path.join(FIXTURE, "reference.json"), encoding="utf-8") as f:

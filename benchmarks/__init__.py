@@ -1,0 +1,1 @@
+"""bench.py's sections and helpers (run it: python bench.py --help)."""
