@@ -21,13 +21,15 @@ _CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the modu
 
 @torch.inference_mode()
 def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None, eos_id=None,
-             generator=None):
+             generator=None, turns=None):
     """GPT.generate's body: see its docstring."""
     lengths = [len(p) for p in prompts]
     for i, n in enumerate(lengths):
         if n == 0:
             raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token to condition on")
         model.check_length(n + max_new_tokens, f"prompt {i} ({n} tokens) + max_new_tokens ({max_new_tokens})")
+    if turns is not None and eos_id is None:
+        raise ValueError("turns needs eos_id: a turn ends at an eos token")
     if not prompts or max_new_tokens < 1 or num_samples < 1 or temperature < 0:
         raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, num_samples >= 1 and "
                          "temperature >= 0")
@@ -35,7 +37,8 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     was_training = model.training
     model.eval()
     try:
-        return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator)
+        return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator,
+                         turns)
     finally:
         model.train(was_training)
         if not model.decode_graphs:  # only the graphs need the cache where it was
@@ -59,7 +62,7 @@ def static_cache(model, N, S, dtype, device):
     return c
 
 
-def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_id, generator):
+def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_id, generator, turns):
     cfg, dev = model.config, model.lm_head.weight.device
     dtype = model.compute_dtype()
     N, P = len(prompts) * G, max(len(p) for p in prompts)
@@ -91,6 +94,8 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     live = torch.arange(N, device=dev)  # output row of each batch row; the batch shrinks as rows finish
     done = torch.zeros(N, dtype=torch.bool, device=dev)
     cols = torch.arange(P, S, device=dev)  # the cache column of each step's input token, the same for every row
+    if turns is not None:  # multi-turn: what each row has queued to read, which steps are not its own, its last step
+        queued, observed, last = [[] for _ in range(N)], torch.zeros_like(tokens, dtype=torch.bool), [S - P] * N
     check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
     graphs = model.decode_graphs
     decode = cuda_graphs.decoder(model, cache, dtype) if graphs else model.decode
@@ -99,9 +104,13 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     width = 0
     tok, lp = sample(logits, temperature, top_k, top_p, u[0])  # (N,), (N,)
     for t in range(max_new_tokens):
+        if turns is not None:
+            tok, lp = _read_queued(queued, t, live, tok, lp, observed)
         tokens[t].index_copy_(0, live, tok.masked_fill(done, fill))
         logps[t].index_copy_(0, live, lp.masked_fill(done, 0.0))
-        if eos is not None:
+        if turns is not None:
+            done = _end_turns(turns, queued, t, live, tokens, observed, done, eos, last)
+        elif eos is not None:
             done = done | torch.isin(tok, eos)
         if t == max_new_tokens - 1:
             break
@@ -125,10 +134,49 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
                          key_mask=step_mask, temperature=temperature, top_k=top_k, top_p=top_p)
 
     tokens, logps = tokens.t(), logps.t()  # (N, max_new_tokens)
-    if eos is None:
+    if turns is not None:  # the row's own tokens up to its last step: never an observation's
+        steps = torch.arange(max_new_tokens, device=dev)
+        mask = ~observed.t() & (steps <= torch.tensor(last, device=dev)[:, None])
+    elif eos is None:
         mask = torch.ones_like(tokens, dtype=torch.bool)
     else:  # real tokens: no eos strictly before them (rows end with eos, then are filled with it)
         is_eos = torch.isin(tokens, eos).int()
         mask = (is_eos.cumsum(1) - is_eos) == 0
-    L = int(mask.any(0).sum())  # rows only ever end, so the steps with a live row are a prefix
+    L = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1  # the steps up to any row's last own token
     return tokens[:, :L].contiguous(), mask[:, :L].contiguous(), logps[:, :L].contiguous()
+
+
+# -----------------------------------------------------------------------------
+# multi-turn: a row that ends a turn (samples an eos id) gets the observation turns(row, its tokens so far) returns,
+# read in one token a step through the same decode steps as the other rows' samples: its keys and values go into the
+# row's cache after the tokens before them, a prefill of the new tokens only, while the other rows decode on. The
+# token the step samples for such a row is dropped; the first one after the observation is the row's own again.
+
+def _read_queued(queued, t, live, tok, lp, observed):
+    """Step t's token of each live row with an observation queued: the observation's next token, log-prob 0."""
+    rows = [(j, row) for j, row in enumerate(live.tolist()) if queued[row]]
+    if not rows:
+        return tok, lp
+    j, row = (torch.tensor(x, device=tok.device) for x in zip(*rows))
+    tok, lp = tok.clone(), lp.clone()
+    tok[j] = torch.tensor([queued[r].pop(0) for _, r in rows], device=tok.device)
+    lp[j] = 0.0
+    observed[t, row] = True
+    return tok, lp
+
+
+def _end_turns(turns, queued, t, live, tokens, observed, done, eos, last):
+    """The live rows whose own token at step t is an eos id end a turn: queue what turns(row, ids) returns, the
+    observation's token ids, or end the row's episode where it returns None."""
+    ends = (torch.isin(tokens[t, live], eos) & ~observed[t, live] & ~done).nonzero().squeeze(1).tolist()
+    if not ends:
+        return done
+    done = done.clone()
+    for j in ends:
+        row = int(live[j])
+        observation = turns(row, tokens[:t + 1, row].tolist())
+        if observation is None:
+            done[j], last[row] = True, t
+        else:
+            queued[row] = list(observation)
+    return done

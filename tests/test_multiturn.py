@@ -1,0 +1,102 @@
+"""
+Multi-turn sampling (engine.py's turns): a scripted environment whose observations are known in advance. What must
+hold: the sampler's log-prob of each of the policy's tokens is the trainer's log-prob over the whole trajectory (the
+cache built turn by turn = the sequence at once, float64), the observations are in the tokens exactly as returned,
+never in the mask, each turn's context is the previous one plus the new tokens (the prefix property), and a row
+alone samples what it samples in a batch.
+"""
+import os
+
+import pytest
+import torch
+
+from model import GPT
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gpt2-a")
+PROMPTS = [[5, 17, 200], [1, 2, 3, 4, 5, 6, 7], [42]]
+EOS = 226
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    return GPT.from_pretrained(FIXTURE, dtype=torch.float64).eval()
+
+
+def observation(ids, k):
+    """The k-th observation of a row whose tokens so far are ids: made of them, so that a row gets the same alone or
+    in a batch, of a length that varies, with an eos inside at odd turns (it ends nothing: it is not the row's)."""
+    return [100 + sum(ids) % 50, 7] + [EOS] * (k % 2) + [30 + k] * (1 + len(ids) % 3)
+
+
+class Scripted:
+    """Each row's observations (above), then the end of its episode after `turns`; records every call, with the
+    tokens the row had at that point."""
+    def __init__(self, turns=2):
+        self.turns, self.calls = turns, []
+
+    def __call__(self, row, ids):
+        self.calls.append((row, list(ids)))
+        k = sum(r == row for r, _ in self.calls) - 1
+        return None if k >= self.turns else observation(ids, k)
+
+
+def trajectory_logprobs(model, rows, tokens, temperature):
+    """The trainer's log-probs of every completion token, the prompt and the whole trajectory read at once."""
+    T = max(map(len, rows)) + tokens.size(1)
+    idx = torch.full((len(rows), T), 123)
+    for r, p in enumerate(rows):
+        idx[r, :len(p) + tokens.size(1)] = torch.tensor(p + tokens[r].tolist())
+    with torch.no_grad():
+        return model.logprobs(idx, torch.tensor([len(p) for p in rows]), tokens.size(1), temperature)
+
+
+def generate(model, env, G=3, new=60, prompts=PROMPTS, seed=0):
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+    return model.generate(prompts, new, num_samples=G, temperature=0.9, eos_id=EOS, generator=gens, turns=env)
+
+
+def test_policy_logprobs_are_the_trainers_over_the_whole_trajectory(tiny64):
+    env = Scripted()
+    tokens, mask, logps = generate(tiny64, env)
+    rows = [p for p in PROMPTS for _ in range(3)]
+    ref = trajectory_logprobs(tiny64, rows, tokens, 0.9)
+    torch.testing.assert_close(logps[mask].double(), ref[mask].double(), atol=1e-6, rtol=0)
+    assert (logps[~mask] == 0).all()
+    assert env.calls, "no row ended a turn: the test would prove nothing"
+
+
+def test_observations_are_in_the_tokens_not_in_the_mask(tiny64):
+    env = Scripted()
+    tokens, mask, _ = generate(tiny64, env)
+    for row, ids in env.calls:  # a turn ends at the row's own eos
+        assert ids[-1] == EOS and mask[row, len(ids) - 1]
+    # the prefix property: each call's tokens are the previous call's, its observation, and the row's own tokens
+    by_row = {}
+    for row, ids in env.calls:
+        by_row.setdefault(row, []).append(ids)
+    for row, seen in by_row.items():
+        for k, (before, after) in enumerate(zip(seen, seen[1:])):
+            assert after[:len(before)] == before
+            obs = observation(before, k)
+            assert after[len(before):len(before) + len(obs)] == obs
+            assert not mask[row, len(before):len(before) + len(obs)].any()
+            assert mask[row, len(before) + len(obs):len(after)].all()
+        assert tokens[row, :len(seen[-1])].tolist() == seen[-1]
+
+
+def test_a_row_alone_samples_what_it_samples_in_the_batch(tiny64):
+    batch = generate(tiny64, Scripted())
+    for i, p in enumerate(PROMPTS):
+        alone = generate(tiny64, Scripted(), prompts=[p], seed=i)
+        n = alone[0].size(1)
+        for a, b in zip(alone, batch):
+            assert torch.equal(a, b[3 * i:3 * i + 3, :n]), f"prompt {i}"
+        assert not batch[1][3 * i:3 * i + 3, n:].any()
+
+
+def test_a_row_whose_episode_ends_is_done(tiny64):
+    tokens, mask, _ = generate(tiny64, lambda row, ids: None)  # single-turn: the first eos ends the row
+    single = tiny64.generate(PROMPTS, 60, num_samples=3, temperature=0.9, eos_id=EOS,
+                             generator=[torch.Generator().manual_seed(i) for i in range(3)])
+    for a, b in zip((tokens, mask), single[:2]):
+        assert torch.equal(a, b)
