@@ -1,8 +1,12 @@
 """
 Chat templates: the text each model's own Jinja template (tokenizer_config.json's chat_template) renders for a
-conversation with add_generation_prompt=True, written out as plain string code; a prompt's tokens under one
-(encode_prompt), the special tokens a template needs (check_template) and the ids that end a completion (stop_ids).
+conversation with add_generation_prompt=True, written out as plain string code, tools included for Qwen2.5's
+(render_chat(..., tools=...), and render_tool_turn for the tools' results in a multi-turn rollout); a prompt's tokens
+under one (encode_prompt), the special tokens a template needs (check_template) and the ids that end a completion
+(stop_ids).
 """
+import itertools
+import json
 import os
 
 from configurator import ConfigError
@@ -13,6 +17,12 @@ QWEN2_SYSTEM = "You are a helpful assistant."
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # SmolLM2-Instruct's
 LLAMA3_DATES = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"  # Llama-3.1's system header
+# Qwen2.5-Instruct's system message with tools: the system prompt, then these around one JSON line per tool
+QWEN25_TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+                     "provided with function signatures within <tools></tools> XML tags:\n<tools>")
+QWEN25_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                     "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 TEMPLATE_TOKENS = {"none": (), "chatml": ("<|im_start|>", "<|im_end|>"),
                    "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")}
 
@@ -31,8 +41,11 @@ def check_template(enc, template):
                           f"{enc.name!r} lacks; use the template of the model's own tokenizer, or 'none'")
 
 
-def _messages(prompt):
-    """The messages of a prompt, checked: a string is one user message."""
+def _messages(prompt, tools=False):
+    """The messages of a prompt, checked: a string is one user message. With tools, messages may also be tool
+    results (role 'tool'), and the prompt may end with them."""
+    roles, last = (("system", "user", "assistant", "tool"), ("user", "tool")) if tools else \
+        (("system", "user", "assistant"), ("user",))
     if isinstance(prompt, str):
         return [dict(role="user", content=prompt)]
     if not isinstance(prompt, list) or not prompt:
@@ -40,17 +53,19 @@ def _messages(prompt):
     for i, m in enumerate(prompt):
         if not isinstance(m, dict) or set(m) != {"role", "content"}:
             raise ConfigError(f"prompt message {i} is not a dict with the keys 'role' and 'content' only: {m!r:.100}")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise ConfigError(f"prompt message {i} has role {m['role']!r}, not 'system', 'user' or 'assistant'")
+        if m["role"] not in roles:
+            raise ConfigError(f"prompt message {i} has role {m['role']!r}, not {', '.join(map(repr, roles[:-1]))} "
+                              f"or {roles[-1]!r}")
         if not isinstance(m["content"], str):
             raise ConfigError(f"prompt message {i} has content of type {type(m['content']).__name__}, not str")
     # the model answers the last message; after an assistant one, Qwen3's template would also add a <think> block
-    if prompt[-1]["role"] != "user":
-        raise ConfigError(f"the last prompt message is from {prompt[-1]['role']!r}: it must be the user's, to answer")
+    if prompt[-1]["role"] not in last:
+        raise ConfigError(f"the last prompt message is from {prompt[-1]['role']!r}: it must be the user's" +
+                          (" or a tool result" if tools else "") + ", to answer")
     return prompt
 
 
-def render_chat(prompt, template, system_prompt=None, enable_thinking=None):
+def render_chat(prompt, template, system_prompt=None, enable_thinking=None, tools=None):
     """The text to tokenize (special tokens as text, for encode(allowed_special="all")) for `prompt`, a string or a
     list of {"role", "content"} messages, ending with the header of the assistant's answer. `system_prompt` becomes
     the first message when the first message is not a system one. The templates, and what each reproduces exactly:
@@ -66,8 +81,21 @@ def render_chat(prompt, template, system_prompt=None, enable_thinking=None):
         the date is always 26 Jul 2024, the default of Llama-3.1's template (Llama-3.2's uses today's date where
         strftime_now is defined, as in transformers), so that a prompt's tokens never change. Llama-3.0's template
         (no system header unless given, no date lines) is not reproduced.
+    tools: a list of tool descriptions in the OpenAI/Qwen function format (tools.TOOLS' second items), with 'chatml'
+        only: Qwen2.5-Instruct's template with tools (Qwen3's differs), whose system message is the system prompt,
+        or QWEN25_SYSTEM without one, and then the tools' JSON lines. Messages may then also be tool results (role
+        'tool', content the result string), each run of them one user turn of <tool_response> blocks, and the
+        prompt may end with them. An assistant turn is its raw text, <tool_call> blocks included: the template
+        writes structured tool calls as exactly that text. No enable_thinking with tools.
     """
     _template_tokens(template)
+    if tools and template != "chatml":
+        raise ConfigError(f"tools need chat_template 'chatml' (Qwen2.5's tool calls), not {template!r}")
+    if tools and enable_thinking is not None:
+        raise ConfigError("enable_thinking is Qwen3's switch; with tools, 'chatml' renders Qwen2.5's template, which "
+                          "has none")
+    if tools and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ConfigError(f"tools is a list of tool descriptions (dicts), not {tools!r:.100}")
     if template == "none":
         if not isinstance(prompt, str):
             raise ConfigError("the prompt is a list of messages: set chat_template to 'chatml' or 'llama3' to "
@@ -77,9 +105,11 @@ def render_chat(prompt, template, system_prompt=None, enable_thinking=None):
         return prompt
     if enable_thinking is not None and template != "chatml":
         raise ConfigError(f"enable_thinking is Qwen3's switch (chat_template 'chatml'); {template!r} has none")
-    messages = _messages(prompt)
+    messages = _messages(prompt, tools)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [dict(role="system", content=system_prompt), *messages]
+    if tools:
+        return _render_with_tools(messages, tools)
     if template == "chatml":
         turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return turns + "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if enable_thinking is False else "")
@@ -89,6 +119,38 @@ def render_chat(prompt, template, system_prompt=None, enable_thinking=None):
     turns = "".join(header(m["role"]) + m["content"].strip() + "<|eot_id|>" for m in messages)
     return (f"<|begin_of_text|>{header('system')}{LLAMA3_DATES}{system.strip()}<|eot_id|>" + turns +
             header("assistant"))
+
+
+def _tool_results(results):
+    """A run of tool results as Qwen2.5's template renders it: one user turn of <tool_response> blocks."""
+    return "<|im_start|>user" + "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results) + "<|im_end|>\n"
+
+
+def _render_with_tools(messages, tools):
+    """Qwen2.5-Instruct's template with tools (see render_chat)."""
+    system, rest = ((messages[0]["content"], messages[1:]) if messages[0]["role"] == "system" else
+                    (QWEN25_SYSTEM, messages))
+    # one line per tool, as the template's tojson writes it in transformers: json.dumps, non-ASCII kept, keys in order
+    lines = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    text = f"<|im_start|>system\n{system}{QWEN25_TOOLS_HEAD}{lines}{QWEN25_TOOLS_TAIL}<|im_end|>\n"
+    for is_tool, run in itertools.groupby(rest, key=lambda m: m["role"] == "tool"):
+        text += _tool_results([m["content"] for m in run]) if is_tool else \
+            "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in run)
+    return text + "<|im_start|>assistant\n"
+
+
+def render_tool_turn(results, template="chatml"):
+    """The text that follows an assistant turn ending in tool calls, and its '<|im_end|>', once `results` (the
+    tools' result strings, in the order of the calls) are in: the end of that line, the results as one user turn of
+    <tool_response> blocks, and the header of the assistant's next answer. So that render_chat(prompt, 'chatml',
+    tools=...) + the assistant's text + '<|im_end|>' + render_tool_turn(results) is render_chat of the conversation
+    with the assistant's turn and the results: a multi-turn rollout extends its text, and never re-renders it."""
+    if template != "chatml":
+        raise ConfigError(f"render_tool_turn renders chat_template 'chatml' (Qwen2.5's tool results), not "
+                          f"{template!r}")
+    if not isinstance(results, list) or not results or not all(isinstance(r, str) for r in results):
+        raise ConfigError(f"render_tool_turn takes a non-empty list of result strings, not {results!r:.100}")
+    return "\n" + _tool_results(results) + "<|im_start|>assistant\n"
 
 
 def encode_prompt(prompt, cfg, enc):

@@ -109,6 +109,7 @@ def check_config(c, world_size):
         need(c[key] >= low, f"{key}={c[key]} must be >= {low}{why.get(key, '')}")
     need(c['sft_iters'] is None or c['sft_iters'] >= 0, f"sft_iters={c['sft_iters']} must be None or >= 0")
     need(0 <= c['sft_target_acc'] <= 1, f"sft_target_acc={c['sft_target_acc']} must be in [0, 1] (0: off)")
+    need(c['sft_check_interval'] >= 1, f"sft_check_interval={c['sft_check_interval']} must be >= 1")
     for key in ('beta1', 'beta2', 'dropout', 'lora_dropout'):
         need(0 <= c[key] < 1, f"{key}={c[key]} must be in [0, 1)")
     need(0 <= c['min_lr_ratio'] <= 1, f"min_lr_ratio={c['min_lr_ratio']} must be in [0, 1]")

@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import math
 import os
 import random
 
@@ -108,7 +109,20 @@ def times_table(max_factor=12):
         return {"prompt": question.format(a=a + 2, b=b + 2), "answer": str((a + 2) * (b + 2))}
     return len(TIMES_QUESTIONS) * n * n, problem
 
-TASKS = {"addition": addition, "sort": sort, "countdown": countdown, "times_table": times_table}
+def multiplication(digits=3):
+    """'512*347=' -> '177664': the product of two numbers of `digits` digits whose product has twice as many (from
+    317*317 for 3 digits), which a tiny model cannot work out in its head but can with a calculator (config/tools.py).
+    Each row holds a demonstration for the warm start: the policy's turns, '<512*347>' (a call of envs.Calculator)
+    and, after the observation, the answer."""
+    low = math.isqrt(10 ** (2 * digits - 1) - 1) + 1
+    n = 10 ** digits - low
+    def problem(i):
+        a, b = low + i // n, low + i % n
+        return {"prompt": f"{a}*{b}=", "answer": str(a * b), "demonstration": [f"<{a}*{b}>", str(a * b)]}
+    return n * n, problem
+
+TASKS = {"addition": addition, "sort": sort, "countdown": countdown, "times_table": times_table,
+         "multiplication": multiplication}
 
 def _task_rows(name, split, seed, size, options):
     """Up to `size` distinct problems of task `name` from `split`, drawn with `seed`."""
@@ -231,6 +245,8 @@ def default_reward(name, rows):
     reads best."""
     if rows and {"numbers", "target"} <= rows[0].keys():  # Countdown, built-in or from a file
         return ["countdown_reward", "boxed"], [1.0, 0.1]
+    if rows and "demonstration" in rows[0]:  # a tool-use task: the answer given after the tool's result
+        return ["final_answer_match"], [1.0]
     if name in TASKS or any(to_number(row["answer"]) is None for row in rows):
         return ["exact_match"], [1.0]
     # numeric answers (GSM8K): check the value, not its spelling, and reward the form the prompt asks for: a

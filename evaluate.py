@@ -19,8 +19,8 @@ def greedy_hits(model, rows, seeds, cfg, enc, reward_fn, tick=lambda done: None)
     per, hits, texts = max(1, cfg.prompts_per_step // cfg.world_size), 0, []
     for i in range(0, len(rows), per):
         part = rows[i:i + per]
-        _, tokens, mask, _ = sample(model, part, seeds[i:i + per], cfg, enc, temperature=0.0, num_samples=1)
-        correct, _, done, _ = score(part, tokens, mask, cfg, enc, [reward_fn], [1.0], num_samples=1)
+        _, tokens, mask, _, record = sample(model, part, seeds[i:i + per], cfg, enc, temperature=0.0, num_samples=1)
+        correct, _, done, _ = score(part, tokens, mask, cfg, enc, [reward_fn], [1.0], num_samples=1, record=record)
         hits, texts = hits + (correct >= 1).sum().item(), texts + done[:3 - len(texts)]
         tick(i + len(part))
     return hits, texts
@@ -38,8 +38,8 @@ def evaluate(model, test_rows, it, rank, cfg, enc, reward_fn, every):
     tick = ticker(f"eval {it}, sampled", len(rows), 'prompts', every)
     for i in range(0, len(rows), per):
         part = rows[i:i + per]
-        _, tokens, mask, _ = sample(model, part, seeds[i:i + per], cfg, enc)
-        correct, _, _, _ = score(part, tokens, mask, cfg, enc, [reward_fn], [1.0])
+        _, tokens, mask, _, record = sample(model, part, seeds[i:i + per], cfg, enc)
+        correct, _, _, _ = score(part, tokens, mask, cfg, enc, [reward_fn], [1.0], record=record)
         c += (correct >= 1).view(-1, G).sum(1).tolist()  # correct samples per prompt
         tick(i + len(part))
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= G] + ([G] if G & (G - 1) else [])

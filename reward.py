@@ -21,7 +21,7 @@ from fractions import Fraction
 from configurator import ConfigError
 
 # names the rollout passes to reward functions itself, so a dataset column may not use them
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_completion_length", "truncated")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_completion_length", "truncated", "observations")
 
 # 42, -3.5, 1,234.5; a trailing '.' ends a sentence, it is not a decimal, and a '-' after a digit or ')' is a
 # subtraction, not a sign: '10-7' ends on 7
@@ -142,6 +142,13 @@ def exact_match(prompts, completions, answer, **kwargs):
     """1.0 if the completion is the answer up to surrounding whitespace, else 0.0 (the built-in tasks)."""
     return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
 
+def final_answer_match(prompts, completions, answer, observations=None, **kwargs):
+    """exact_match on the policy's last turn: what follows the last observation in a multi-turn completion (the
+    answer it gives after its tool calls), the whole completion otherwise."""
+    last = [c[c.rfind(o[-1]) + len(o[-1]):] if o else c
+            for c, o in zip(completions, observations or [()] * len(completions))]
+    return exact_match(prompts, last, answer)
+
 def numeric_match(prompts, completions, answer, **kwargs):
     """1.0 if the completion's final answer (extract_answer) has the answer's value, else 0.0; None where the answer
     is not a number. 'The total is $1,000.' matches '1000'."""
@@ -189,6 +196,7 @@ def soft_overlong_punishment(cache_length=None, max_completion_length=None):
 
 REWARD_FNS = {  # the names a config can use in its list of reward functions
     "exact_match": exact_match,
+    "final_answer_match": final_answer_match,
     "numeric_match": numeric_match,
     "countdown_reward": countdown_reward,
     "format": format_reward(),

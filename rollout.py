@@ -67,8 +67,39 @@ def pack(prompts, completions, pad):
     return idx, torch.tensor([len(p) for p in prompts])
 
 
+def last_counted(mask):
+    """(B, C) -> (B,) each row's completion up to its last token that counts: what the log-prob passes read. The
+    mask is a prefix but for a multi-turn row's observations, which are context between the policy's turns."""
+    return (mask * torch.arange(1, mask.size(1) + 1, device=mask.device)).amax(1)
+
+
+def episodes(env, rows, G, cfg, enc):
+    """A multi-turn generate's turns callback (engine.py) and the record of each row's episode: after each turn the
+    policy ends, env.step(row, text) gives the observation to append (text is the trajectory so far: the policy's
+    turns and the observations between them) or None, the end of the episode, as is reaching max_turns turns."""
+    record = [dict(observations=[], finished=False) for _ in range(len(rows) * G)]
+
+    def turns(i, ids):
+        seen = record[i]['observations']
+        ids = ids[:-1] if ids[-1] in cfg.eos_ids else ids  # the end of turn left out, a stop token kept
+        text = enc.decode([x for x in ids if x < enc.n_vocab])
+        observation = env.step(rows[i // G], text) if len(seen) + 1 < cfg.max_turns else None
+        if observation is None:
+            record[i]['finished'] = True
+            return None
+        seen.append(observation)
+        return encode_observation(observation, cfg, enc)
+    return turns, record
+
+
+def encode_observation(text, cfg, enc):
+    """An observation's token ids: under a chat template its turn's special tokens are theirs."""
+    return enc.encode_ordinary(text) if cfg.chat_template == 'none' else enc.encode(text, allowed_special='all')
+
+
 def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
-    """Sample completions for rows (dicts with 'prompt'); returns prompt ids and (N, C) tokens, mask, logps."""
+    """Sample completions for rows (dicts with 'prompt'); returns prompt ids, (N, C) tokens, mask, logps and, with
+    an environment (cfg.environment), each row's episode (else None)."""
     G = num_samples or cfg.num_generations
     C = cfg.max_completion_length
     device = next(model.parameters()).device
@@ -78,25 +109,33 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     # LoRA: sample from the weights with the adapters merged in (no adapter matmuls in the decode steps). Not under
     # autocast: the merged weight, rounded to bf16, would lose most of a small update
     merge = merged(model) if has_adapters(model) and not cfg.autocast else nullcontext()
+    turns, record, ends = None, None, cfg.eos_ids
+    if cfg.environment is not None:  # a turn also ends at the environment's own stop tokens
+        turns, record = episodes(cfg.environment, rows, G, cfg, enc)
+        ends = cfg.eos_ids + [enc.encode_single_token(s) for s in getattr(cfg.environment, 'stop', ())]
     with merge, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
         tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
-                                             top_p=cfg.top_p, eos_id=cfg.eos_ids, generator=gens)
+                                             top_p=cfg.top_p, eos_id=ends, generator=gens, turns=turns)
     pad = C - tokens.shape[1]  # generate stops early when every row is done; the loss wants a fixed width C
     tokens = torch.nn.functional.pad(tokens, (0, pad), value=cfg.eos_ids[0])
     mask = torch.nn.functional.pad(mask, (0, pad), value=False)
     logps = torch.nn.functional.pad(logps.float(), (0, pad))
-    return prompts, tokens, mask, logps
+    return prompts, tokens, mask, logps, record
 
 
-def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=None):
-    """Decode and score completions. Returns rewards (N,) with NaN = not applicable, truncated (N,), texts, per-fn."""
+def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=None, record=None):
+    """Decode and score completions (with an environment, whole trajectories, record their episodes). Returns
+    rewards (N,) with NaN = not applicable, truncated (N,), texts, per-fn."""
     G = num_samples or cfg.num_generations
-    ids = [t[:n] for t, n in zip(tokens.tolist(), mask.sum(1).tolist())]
+    ids = [t[:n] for t, n in zip(tokens.tolist(), last_counted(mask).tolist())]
     # the text leaves out the eos, and ids past the tokenizer's vocabulary that a padded output layer can sample
     completions = [enc.decode([x for x in c if x < enc.n_vocab and x not in cfg.eos_ids]) for c in ids]
-    truncated = [len(c) == cfg.max_completion_length and c[-1] not in cfg.eos_ids for c in ids]
+    truncated = [not e['finished'] for e in record] if record else \
+        [len(c) == cfg.max_completion_length and c[-1] not in cfg.eos_ids for c in ids]
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != 'prompt'}
     columns.update(completion_ids=ids, truncated=truncated, max_completion_length=cfg.max_completion_length)
+    if record:  # what the environment said after each of the policy's turns
+        columns.update(observations=[e['observations'] for e in record])
     prompts = [r['prompt'] for r in rows for _ in range(G)]
     total, per_fn = compute_rewards(reward_fns, reward_weights, prompts, completions, columns)
     rewards = torch.tensor([float('nan') if r is None else r for r in total], dtype=torch.float64)
@@ -122,14 +161,18 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     rows, kept, dropped, rounds = step_rows(train_rows, it, rank, cfg), [], 0, 0
     times, t = {}, time.perf_counter()
     while True:  # one pass without dynamic sampling; with it, refill until the batch holds informative groups
-        prompts, tokens, mask, logps = sample(model, rows, [prompt_seed(cfg.seed, it, r['_id']) for r in rows],
-                                              cfg, enc)
+        prompts, tokens, mask, logps, record = sample(model, rows, [prompt_seed(cfg.seed, it, r['_id']) for r in rows],
+                                                      cfg, enc)
         t = lap(times, 'generate', t, device)
-        rewards, truncated, _, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights)
+        rewards, truncated, _, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, record=record)
         t = lap(times, 'reward', t, device)
         scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]] for f in reward_fns],
                               dtype=torch.float64).T
         per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated, scores=scores)
+        if record:  # the environment's observations per row, and those that report an error (a malformed call)
+            per_row['calls'] = torch.tensor([len(e['observations']) for e in record])
+            per_row['errors'] = torch.tensor([sum(o.lstrip().startswith('error') for o in e['observations'])
+                                              for e in record])
         groups = [dict(prompt=prompts[g], **{k: v[g * G:(g + 1) * G] for k, v in per_row.items()})
                   for g in range(len(rows))]  # a group = one prompt and its G completions, kept or dropped whole
         if not cfg.dynamic_sampling:
@@ -183,7 +226,7 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
     lap(times, 'comm', t, device)  # gathering the rewards dominates this part
     info = dict(time=times, rewards=rewards, scores=scores, lengths=lengths, truncated=truncated,
-                dropped_groups=dropped)
+                dropped_groups=dropped, **({k: cat(k) for k in ('calls', 'errors')} if 'calls' in kept[0] else {}))
     return batch, info
 
 
@@ -202,6 +245,10 @@ def rollout_metrics(info, G, reward_fns, device):
     for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # absent when there are none
         if rows.any():
             m[key] = lengths[rows].mean().item()
+    if 'calls' in info:  # multi-turn: how often the policy calls the environment, and how often it errs
+        calls, errors = (gather(info[k].to(device, torch.float64)).cpu() for k in ('calls', 'errors'))
+        m.update({'env/call_rate': (calls > 0).double().mean().item(), 'env/calls': calls.mean().item(),
+                  'env/error_share': errors.sum().item() / max(calls.sum().item(), 1.0)})
     return m
 
 
@@ -219,7 +266,7 @@ def micro_batches(batch, size):
     many of idx's are not padding), and the batch's other tensors for those rows (`rows`, indices into batch), the
     (B, C) ones cut to their longest completion. The loss's step-wide normalisers make the update the same however
     rows are grouped (bnpo, a mean per micro-batch, aside)."""
-    need = batch['mask'].sum(1)  # (B,) completion tokens that count: a prefix of each row
+    need = last_counted(batch['mask'])  # (B,) completion tokens up to the last that counts
     start, n, dev = batch['start'].tolist(), need.tolist(), need.device
     ids = {}  # one number per prompt: rows whose prompts are the same tokens share them
     prompt = [ids.setdefault(tuple(p[:s]), len(ids)) for p, s in zip(batch['idx'][:, :max(start)].tolist(), start)]
@@ -275,7 +322,7 @@ def logprobs(model, batch, cfg, entropy=False):
     for rows, mb in micro_batches(batch, cfg.micro_batch_size):
         with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
             got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], cfg.temperature, entropy,
-                                 mb['mask'].sum(1), mb['pos'])  # (b, L), 0 past each row's mask
+                                 last_counted(mb['mask']), mb['pos'])  # (b, L), 0 past the last that counts
         for o, x in zip(out, got if entropy else (got,)):
             o[rows, :x.shape[1]] = x.to(o.dtype)
     return tuple(out) if entropy else out[0]

@@ -17,19 +17,35 @@ from measure import ticker
 from model import GPT
 from parallelism import all_sum, full_state_dict, gathered
 from chat import encode_prompt
-from rollout import pack, prompt_seed
+from rollout import encode_observation, pack, prompt_seed
 
 # the settings the cached weights depend on
 KEYS = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
         'vocab_size', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',
-        'sft_learning_rate', 'sft_target_acc', 'seed')
+        'sft_learning_rate', 'sft_target_acc', 'sft_check_interval', 'seed', 'env')
+
+
+def target(row, cfg, enc):
+    """A row's tokens to learn, and which are the policy's (1) rather than an observation's (0): its answer and the
+    end of text; with an environment and a row that has a demonstration, the demonstration's turns instead, with
+    the environment's own observations between them, as a multi-turn rollout would have them."""
+    turns = row.get('demonstration') if cfg.environment is not None else None
+    ids, own, text = [], [], ''
+    for k, turn in enumerate(turns or [row['answer']]):
+        if k:  # what the environment answers to the turns so far
+            observation = cfg.environment.step(row, text)
+            seen = encode_observation(observation, cfg, enc)
+            ids, own, text = ids + seen, own + [0] * len(seen), text + observation
+        mine = enc.encode_ordinary(turn)
+        ids, own, text = ids + mine, own + [1] * len(mine), text + turn
+    return ids + [cfg.eos_ids[0]], own + [1]
 
 
 def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
     """Train `model` (DDP's or FSDP's wrapper of raw_model) on the answers of the train rows with `optimizer`, or
     load the cached result. Every rank takes sft_batch_size / ranks rows a step, the same draws whatever the ranks.
-    With sft_target_acc it ends once greedy accuracy on the first 256 train prompts reaches it (checked every 50
-    steps). Returns what it did, for the log."""
+    With sft_target_acc it ends once greedy accuracy on the first 256 train prompts reaches it (checked every
+    sft_check_interval steps). Returns what it did, for the log."""
     spec = json.loads(json.dumps({k: getattr(cfg, k) for k in KEYS}))  # as the JSON file reads back: lists, not tuples
     path = os.path.join(cfg.out_dir, 'warmstart')
     p = next(raw_model.parameters())
@@ -43,7 +59,7 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
     probe_seeds = [prompt_seed(cfg.seed, -3, j) for j in range(rank, len(probe) * ranks, ranks)]
     steps = cfg.sft_iters
     for i in range(cfg.sft_iters):
-        if cfg.sft_target_acc and i and i % 50 == 0:
+        if cfg.sft_target_acc and i and i % cfg.sft_check_interval == 0:
             with gathered(raw_model):  # FSDP: the whole weights for the sampler
                 hits = greedy_hits(raw_model, probe, probe_seeds, cfg, enc, reward_fn)[0]
             hits, n = all_sum(torch.tensor([hits, len(probe)], dtype=torch.float64)).tolist()  # over all ranks
@@ -53,10 +69,10 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
         g = torch.Generator().manual_seed(prompt_seed(cfg.seed, -2, i))
         picks = torch.randint(len(rows), (cfg.sft_batch_size,), generator=g).tolist()[rank::ranks]
         prompts = [encode_prompt(rows[j]['prompt'], cfg, enc) for j in picks]
-        answers = [enc.encode_ordinary(rows[j]['answer']) + [eos] for j in picks]
+        answers, own = zip(*[target(rows[j], cfg, enc) for j in picks])
         idx, start = pack(prompts, answers, eos)
         L = max(map(len, answers))
-        mask = (torch.arange(L) < torch.tensor([len(a) for a in answers])[:, None]).float()  # (B, L)
+        mask = torch.tensor([o + [0] * (L - len(o)) for o in own], dtype=torch.float)  # (B, L) the policy's tokens
         with torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
             logps = model(idx.to(device), start.to(device), L)  # (B, L) through DDP's forward
         mask = mask.to(device, logps.dtype)

@@ -29,6 +29,7 @@ import lora
 import parallelism
 from configurator import ConfigError, check_config, check_device, configure
 from data import load_task
+from envs import get_env
 from evaluate import evaluate, report
 from loss import check_settings, grpo_loss
 from loss import settings as loss_settings
@@ -36,7 +37,7 @@ from measure import fastest_dtype, hms, matmul_peak, memory_mb, phase
 from model import GPT, GPTConfig
 from parallelism import all_sum, full, gathered
 from sampling import check_sampling
-from rollout import micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
+from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
 from sft import warm_start
 from chat import check_template, stop_ids
 from tokenizer import get_tokenizer
@@ -76,6 +77,7 @@ sft_iters = None  # None = up to 1000 from scratch and 0 from a pretrained check
 sft_batch_size = 64
 sft_learning_rate = 1e-3
 sft_target_acc = 0.3  # > 0: stop once greedy accuracy on 256 train prompts reaches it (a fixed count is not robust)
+sft_check_interval = 50  # steps between those checks
 # rollout
 prompts_per_step = 32  # prompts per iteration, over all ranks
 num_generations = 8  # G: completions per prompt
@@ -86,6 +88,8 @@ top_p = None  # then from the smallest set of them holding top_p of their probab
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling = False  # DAPO: resample prompts whose groups all got the same reward
 max_resample_rounds = 4
+env = ''  # multi-turn: an environment, envs.py's name or 'module:attribute'; '' = one turn, no environment
+max_turns = 4  # with env: the policy's turns per episode at most (max_completion_length bounds all the tokens)
 # loss: each keyword of loss.grpo_loss (beta, epsilon_low/high, delta, surrogate, ...; TRL's names) is a config key
 # with its default there, written once; loss.py maps each to its paper. The default run's choices:
 loss_type = 'dr_grpo'  # token sum / (sequences x max_completion_length), where grpo_loss's own default is 'grpo'
@@ -173,6 +177,7 @@ enc = get_tokenizer(tokenizer)
 check_template(enc, chat_template)
 cfg.eos_ids = stop_ids(enc, chat_template, tokenizer if os.path.exists(tokenizer) else None)
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
+cfg.environment = get_env(env, enc) if env else None
 if wandb_log:
     try:
         import wandb  # optional: only when asked for
@@ -226,7 +231,7 @@ def forward_backward(mb, num_sequences, num_tokens):
     """One micro-batch (rows packed: rollout.micro_batches): its log-probs and entropies, grpo_loss, backward.
     Returns the loss's stats and what it ran: (tokens in the sequences, tokens not padding, model FLOPs)."""
     with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
-        need = mb['mask'].sum(1)  # (b,) the output layer runs on the tokens the loss counts only
+        need = last_counted(mb['mask'])  # (b,) the output layer runs up to the last token the loss counts only
         logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1], temperature=temperature,
                                entropy=True, lengths=need, pos=mb['pos'])
     as_logps = lambda key: mb[key].to(logps.dtype)

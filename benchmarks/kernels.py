@@ -7,8 +7,8 @@ from loss import grpo_loss
 from measure import matmul_peak, timed, timed_rounds
 from rollout import micro_batches
 from sampling import sample
-from benchmarks.common import (autocast, build_model, decode_flops, generate, grpo_batch, in_fresh_process, make_prompts,
-                               timed_peak)
+from benchmarks.common import (autocast, build_model, decode_flops, generate, grpo_batch, in_fresh_process,
+                               make_prompts, timed_peak)
 
 
 def bench_matmul_peak(args, model, results):

@@ -104,7 +104,7 @@ def real_rollout(run, **overrides):
     config = dict(state['config'], **overrides)
     enc = get_tokenizer(config['tokenizer'])
     cfg = SimpleNamespace(**config, world_size=1, autocast=False, ptdtype=torch.float32, on_policy=True,
-                          eos_ids=stop_ids(enc, config['chat_template']))
+                          environment=None, eos_ids=stop_ids(enc, config['chat_template']))
     policy = GPT.from_pretrained(state['dir'])
     ref = GPT.from_pretrained(os.path.join(run, 'warmstart')) if cfg.beta > 0 else None
     rows = load_dataset(cfg.task, 'train', seed=cfg.seed, **cfg.task_options)

@@ -127,7 +127,7 @@ COUNT = "task_options\\['count'\\] of task 'countdown'"
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(name="multiply"), "unknown dataset 'multiply'; use a built-in task \\(addition, sort, countdown, "
-                            "times_table\\) or a .jsonl path"),
+                            "times_table, multiplication\\) or a .jsonl path"),
     (dict(name="addition", split="val"), "unknown split 'val'; use 'train' or 'test'"),
     (dict(name="addition", size=0), "size must be a positive integer or None, got 0"),
     (dict(name="addition", size=2.5), "size must be a positive integer or None, got 2.5"),
@@ -214,7 +214,8 @@ def test_empty_and_missing_files(tmp_path):
         load_dataset(path)
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(ConfigError, match=f"dataset file {missing} not found; give the path of a .jsonl file "
-                                                f"or a built-in task \\(addition, sort, countdown, times_table\\)"):
+                                                f"or a built-in task \\(addition, sort, countdown, times_table, "
+                                                f"multiplication\\)"):
         load_dataset(missing)
 
 def test_jsonl_refuses_task_options_and_empty_split(tmp_path):

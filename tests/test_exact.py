@@ -124,7 +124,10 @@ SECOND_WAVE = {
     'reinforce_pp': ['--advantage_estimator=reinforce_pp', '--scale_rewards=none'],
     'gdpo': ['--multi_objective_aggregation=normalize_then_sum', '--scale_rewards=none'],
     'mixup': ['--beta=0.04', '--ref_sync_every=1', '--ref_model_mixup_alpha=0.5', '--max_iters=2'],
+    'multi-turn': ['--env=multiturn_env:Echo', '--max_turns=3', '--max_completion_length=12', '--block_size=24',
+                   '--loss_type=dapo', '--beta=0.04'],
 }
+MULTI_TURN = SECOND_WAVE['multi-turn']
 
 
 def test_second_wave_split_invariance(policy, tmp_path):
@@ -179,11 +182,12 @@ def metric_lines(out_dir):
     return [{k: v for k, v in r.items() if k not in timing and not k.startswith('time/')} for r in rows]
 
 
-@pytest.mark.parametrize('ranks', [1, 2])
-def test_bitwise_resume(policy, tmp_path, ranks):
-    """6 iterations straight = 3, stop, resume, 3 more: weights, optimizer state, reference model and rollouts."""
+@pytest.mark.parametrize('ranks, turns', [(1, []), (2, []), (1, MULTI_TURN)])
+def test_bitwise_resume(policy, tmp_path, ranks, turns):
+    """6 iterations straight = 3, stop, resume, 3 more: weights, optimizer state, reference model and rollouts
+    (multi-turn ones too)."""
     args = BASE + ['--loss_type=grpo', '--beta=0.04', '--num_iterations=2', '--ref_sync_every=2',
-                   '--micro_batch_size=4']
+                   '--micro_batch_size=4', *turns]
     runs = [args + [f'--init_from={policy}', '--max_iters=6', f'--out_dir={tmp_path}/straight'],
             args + [f'--init_from={policy}', '--max_iters=3', f'--out_dir={tmp_path}/resumed'],
             args + ['--init_from=resume', '--max_iters=6', f'--out_dir={tmp_path}/resumed']]

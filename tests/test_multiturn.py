@@ -100,3 +100,54 @@ def test_a_row_whose_episode_ends_is_done(tiny64):
                              generator=[torch.Generator().manual_seed(i) for i in range(3)])
     for a, b in zip((tokens, mask), single[:2]):
         assert torch.equal(a, b)
+
+
+def holes(B, C, g):
+    """A (B, C) mask of multi-turn rows: the policy's turns with observations (False) between them, then padding."""
+    mask = torch.zeros(B, C, dtype=torch.bool)
+    for b in range(B):
+        t = 0
+        while t < C - 2:
+            turn = int(torch.randint(1, 4, (), generator=g))
+            mask[b, t:t + turn] = True
+            t += turn + int(torch.randint(1, 4, (), generator=g))
+        mask[b, int(torch.randint(C - 3, C, (), generator=g)):] = False
+    return mask
+
+
+def compact(x, mask):
+    """Each row's masked entries moved to the left, in order: the same rows with the observations cut out."""
+    out = torch.zeros_like(x)
+    for b in range(len(x)):
+        out[b, :int(mask[b].sum())] = x[b][mask[b]]
+    return out
+
+
+@pytest.mark.parametrize('loss_type', ['grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo'])
+@pytest.mark.parametrize('level', ['token', 'sequence'])
+def test_the_loss_counts_the_policys_tokens_only(loss_type, level):
+    """Observations between the policy's turns count in no normaliser, no ratio, no KL and no entropy bonus: the loss
+    is that of the same rows with the observations cut out, and their log-probs get no gradient. A planted leak (the
+    observations counted) changes the loss: the test can fail."""
+    from loss import grpo_loss
+    g = torch.Generator().manual_seed(0)
+    B, C = 6, 16
+    mask = holes(B, C, g)
+    logps = -3 * torch.rand(B, C, generator=g, dtype=torch.float64)
+    old, ref = (logps + 0.2 * torch.randn(B, C, generator=g, dtype=torch.float64) for _ in range(2))
+    entropy, advantages = torch.rand(B, C, generator=g, dtype=torch.float64), torch.randn(B, generator=g)
+    settings = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, max_completion_length=C,
+                    num_sequences=B, entropy_coef=0.01)
+
+    def loss(x, m, **counts):
+        return grpo_loss(x, old_c if counts else old, ref_c if counts else ref, advantages, m,
+                         entropy=entropy_c if counts else entropy, num_tokens=m.sum(), **settings)[0]
+    old_c, ref_c, entropy_c = (compact(x, mask) for x in (old, ref, entropy))
+    leaf = logps.clone().requires_grad_()
+    value = loss(leaf, mask)
+    value.backward()
+    assert (leaf.grad[~mask] == 0).all() and (leaf.grad[mask] != 0).any()
+    torch.testing.assert_close(value, loss(compact(logps, mask), compact(mask, mask), cut=True), rtol=1e-12, atol=0)
+    leak = mask.clone()
+    leak[:, :C // 2] = True  # observations in the first half counted as the policy's
+    assert not torch.isclose(loss(logps, leak), value)

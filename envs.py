@@ -1,0 +1,74 @@
+"""
+Environments for multi-turn rollouts (train.py's env): after each turn the policy ends, the environment says what
+the policy observes next, or that the episode is over. An environment is any object with
+
+    step(row, text) -> str or None   row: the dataset row ('prompt', 'answer', ...); text: the trajectory so far,
+                                     the policy's turns and the observations between them. Returns the text to
+                                     append (rendered by the chat template where it is a tool or user turn), or
+                                     None: the episode is over.
+    stop                             optional: strings that end a turn besides the end of turn, one token each.
+
+Write one in your own file and name it as a reward function is named: --env=myenvs:maze (an object, or a class,
+which is then instantiated). The observation's tokens are context, never actions: engine.py reads them into the
+KV cache after the policy's, and the loss masks them. Rewards still come from reward functions, which see each
+row's observations as a column.
+"""
+import importlib
+
+import tools
+from chat import render_tool_turn
+from configurator import ConfigError
+
+
+class Calculator:
+    """For a model without a chat template (the tiny one): it writes an expression between < and >, e.g.
+    '<123*456>', reads the exact value after it on a line of its own, '56088\\n', then answers."""
+    stop = ('>',)
+
+    def step(self, row, text):
+        if not text.endswith('>') or '<' not in text:
+            return None  # an answer, not a call
+        return tools.calculator(text[text.rindex('<') + 1:-1]) + '\n'
+
+
+class QwenTools:
+    """Qwen's tool calls: an assistant turn that ends with <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    gets the tool's result in a tool turn, as Qwen2.5's template renders one (chat.render_tool_turn); a malformed
+    call gets an observation that says what is wrong with it. Give the tools' descriptions to the model in its
+    system message: config/tools.py renders them with render_chat(..., tools=...)."""
+    def __init__(self, available=tools.TOOLS):
+        self.tools = available
+
+    def step(self, row, text):
+        if not text.rstrip().endswith('</tool_call>'):
+            return None  # an answer, not a call
+        return render_tool_turn([tools.call_tool(text, self.tools)])
+
+
+ENVS = {'calculator': Calculator, 'qwen_tools': QwenTools}
+
+
+def get_env(name, enc):
+    """The environment called `name`: a key of ENVS, or 'module:attribute' for one of your own, imported from the
+    Python path; a class is instantiated. Its stop strings must be single tokens of enc."""
+    if ':' in name:
+        module, _, attr = name.partition(':')
+        try:
+            env = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"environment {name!r} cannot be imported ({e}); put {module}.py on the Python path "
+                              f"(e.g. the directory you run from) with an environment {attr}") from None
+    elif name in ENVS:
+        env = ENVS[name]
+    else:
+        raise ConfigError(f"unknown environment {name!r}; use one of {', '.join(ENVS)} or 'module:attribute'")
+    env = env() if isinstance(env, type) else env
+    if not callable(getattr(env, 'step', None)):
+        raise ConfigError(f"environment {name!r} has no step(row, text) method")
+    for s in getattr(env, 'stop', ()):
+        try:
+            enc.encode_single_token(s)
+        except KeyError:
+            raise ConfigError(f"environment {name!r} stops a turn at {s!r}, which is not one token of tokenizer "
+                              f"{enc.name!r}; a stop string must be a single token") from None
+    return env
