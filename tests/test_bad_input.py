@@ -92,7 +92,7 @@ CASES = [
     ('empty dataset', ['--task={d}/empty_{split}.jsonl', '--task_options={}'], "empty_train.jsonl is empty"),
     ('fewer prompts than a step', ['--task={d}/few_{split}.jsonl', '--task_options={}'], "has 3 prompts but prompts_per_step=4"),
     ('prompt longer than block_size', ['--task={d}/long_{split}.jsonl', '--task_options={}'], "longest prompt is 43 tokens"),
-    ('unknown task', ['--task=multiplication'], "unknown dataset 'multiplication'"),
+    ('unknown task', ['--task=division'], "unknown dataset 'division'"),
     ('unknown task option', ["--task_options={'digit': 2}"], "task 'addition' has no option 'digit'"),
     ('unsupported model_type', ['--init_from={d}/bert'], "model_type 'bert' is not supported"),
     ('config.json missing a key', ['--init_from={d}/nokey'], "missing key 'n_layer'"),

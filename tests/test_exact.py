@@ -124,8 +124,8 @@ SECOND_WAVE = {
     'reinforce_pp': ['--advantage_estimator=reinforce_pp', '--scale_rewards=none'],
     'gdpo': ['--multi_objective_aggregation=normalize_then_sum', '--scale_rewards=none'],
     'mixup': ['--beta=0.04', '--ref_sync_every=1', '--ref_model_mixup_alpha=0.5', '--max_iters=2'],
-    'multi-turn': ['--env=multiturn_env:Echo', '--max_turns=3', '--max_completion_length=12', '--block_size=24',
-                   '--loss_type=dapo', '--beta=0.04'],
+    'multi-turn': ['--env=multiturn_env:Echo', '--max_turns=3', '--max_completion_length=12', '--loss_type=dapo',
+                   '--beta=0.04'],
 }
 MULTI_TURN = SECOND_WAVE['multi-turn']
 
@@ -147,6 +147,9 @@ def test_second_wave_split_invariance(policy, tmp_path):
             assert max_diff(a, b) <= 1e-10, (layout, name)
     for name, a in zip(SECOND_WAVE, ref):
         assert max_diff(a, start) > 1e-4, name
+    turns = list(SECOND_WAVE).index('multi-turn')  # and its rows did take several turns
+    calls = [json.loads(line)['env/calls'] for line in open(f'{tmp_path}/1x4/{turns}/metrics.jsonl')]
+    assert min(calls) > 0.2, calls
 
 
 def test_multi_node_equals_single_node(policy, tmp_path):

@@ -174,8 +174,8 @@ def test_get_reward_fns():
     assert [fn.__name__ for fn in fns] == ["exact_match", "format", "overlong", "boxed"]
     assert get_reward_fns("numeric_match") == [numeric_match]
     assert get_reward_fns("countdown_reward") == [countdown_reward]
-    with pytest.raises(ValueError, match="unknown reward function 'exact'; valid names: exact_match, numeric_match, "
-                                         "countdown_reward, format, boxed, overlong"):
+    with pytest.raises(ValueError, match="unknown reward function 'exact'; valid names: exact_match, final_answer_match, "
+                                         "numeric_match, countdown_reward, format, boxed, overlong"):
         get_reward_fns(["exact_match", "exact"])
 
 def test_get_reward_fns_imports_module_functions(tmp_path, monkeypatch):
