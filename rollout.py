@@ -133,7 +133,10 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
     truncated = [not e['finished'] for e in record] if record else \
         [len(c) == cfg.max_completion_length and c[-1] not in cfg.eos_ids for c in ids]
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != 'prompt'}
-    columns.update(completion_ids=ids, truncated=truncated, max_completion_length=cfg.max_completion_length)
+    # completion_ids: the policy's own tokens (a multi-turn row's observations left out), which DAPO's overlong
+    # punishment counts
+    own = [[t for t, m in zip(row, counts) if m] for row, counts in zip(tokens.tolist(), mask.tolist())]
+    columns.update(completion_ids=own, truncated=truncated, max_completion_length=cfg.max_completion_length)
     if record:  # what the environment said after each of the policy's turns
         columns.update(observations=[e['observations'] for e in record])
     prompts = [r['prompt'] for r in rows for _ in range(G)]

@@ -8,3 +8,7 @@ class Echo:
 
     def step(self, row, text):
         return f"[{len(text)}{text[-1:]}]" if text else "[]"
+
+
+class TwoTokenStop(Echo):
+    stop = ('</calc>',)  # five bytes: refused (a stop must be one token)

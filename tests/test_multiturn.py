@@ -151,3 +151,58 @@ def test_the_loss_counts_the_policys_tokens_only(loss_type, level):
     leak = mask.clone()
     leak[:, :C // 2] = True  # observations in the first half counted as the policy's
     assert not torch.isclose(loss(logps, leak), value)
+
+
+def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
+    """rollout.episodes: the environment is asked after each turn until max_turns turns, the last turn's end ends the
+    episode; score's completion_ids (what DAPO's overlong punishment counts) leave the observations out."""
+    from types import SimpleNamespace
+    from rollout import episodes, score
+    from tokenizer import get_tokenizer
+    enc = get_tokenizer('bytes')
+    cfg = SimpleNamespace(max_turns=2, chat_template='none', eos_ids=[enc.eot_token], max_completion_length=12,
+                          num_generations=1)
+    seen = []
+    env = SimpleNamespace(step=lambda row, text: seen.append(text) or '[ok]')
+    turns, record = episodes(env, [{'prompt': 'p', 'answer': 'a'}], 1, cfg, enc)
+    assert turns(0, enc.encode_ordinary('ab') + [enc.eot_token]) == enc.encode_ordinary('[ok]')
+    assert turns(0, enc.encode_ordinary('ab[ok]c') + [enc.eot_token]) is None  # the 2nd turn is the last
+    assert seen == ['ab'] and record == [dict(observations=['[ok]'], finished=True)]
+    tokens = torch.tensor([enc.encode_ordinary('ab') + [enc.eot_token] + enc.encode_ordinary('[ok]c') +
+                           [enc.eot_token] * 4])
+    mask = torch.tensor([[True] * 3 + [False] * 4 + [True] * 2 + [False] * 3])
+    got = {}
+    def spy(prompts, completions, completion_ids, observations, **kwargs):
+        got.update(text=completions, ids=completion_ids, observations=observations)
+        return [1.0]
+    spy.__name__ = 'spy'
+    _, truncated, _, _ = score([{'prompt': 'p', 'answer': 'a'}], tokens, mask, cfg, enc, [spy], [1.0],
+                               record=record)
+    assert got == dict(text=['ab[ok]c'], ids=[enc.encode_ordinary('ab') + [enc.eot_token, ord('c'), enc.eot_token]],
+                       observations=[['[ok]']])
+    assert not truncated.any()
+
+
+def test_qwen_tools_answers_a_call_in_a_tool_turn():
+    from chat import render_tool_turn
+    from envs import QwenTools, get_env
+    from tokenizer import get_tokenizer
+    env = get_env('qwen_tools', get_tokenizer('bytes'))
+    assert isinstance(env, QwenTools)
+    call = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "512*347"}}\n</tool_call>'
+    assert env.step({}, call) == render_tool_turn(['177664'])
+    assert env.step({}, '<tool_call>\n{"name": "calculator"}\n</tool_call>').count('error: ') == 1
+    assert env.step({}, 'The answer is 177664.') is None
+
+
+def test_bad_environments_are_one_line_errors():
+    from configurator import ConfigError
+    from envs import get_env
+    from tokenizer import get_tokenizer
+    enc = get_tokenizer('bytes')
+    with pytest.raises(ConfigError, match="unknown environment 'maze'; use one of calculator, qwen_tools"):
+        get_env('maze', enc)
+    with pytest.raises(ConfigError, match="environment 'nosuchmodule:Maze' cannot be imported"):
+        get_env('nosuchmodule:Maze', enc)
+    with pytest.raises(ConfigError, match="stops a turn at '</calc>', which is not one token"):
+        get_env('multiturn_env:TwoTokenStop', enc)

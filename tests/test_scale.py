@@ -13,7 +13,7 @@ import time
 from safetensors.torch import load_file
 
 from loss import LOSS_TYPES
-from test_exact import BASE, REWARDS, ROOT, TORCHRUN, launch, max_diff, metric_lines, weights
+from test_exact import BASE, MULTI_TURN, REWARDS, ROOT, TORCHRUN, launch, max_diff, metric_lines, weights
 
 TWO = TORCHRUN + ['--standalone', '--nproc_per_node=2']
 # a step that uses the reference model and two passes over the rollout (mu = 2: the ratio and clipping at work)
@@ -45,10 +45,15 @@ def test_fsdp_equals_ddp_and_one_rank(policy, tmp_path):
                                f'--out_dir={tmp_path}/{par}/{lt}'] for lt in LOSS_TYPES for par in ('ddp', 'fsdp')}
     runs.update({('lora', par): STEP + LORA + [f'--init_from={policy}', f'--parallel={par}', '--lora_save_merged=True',
                                                f'--out_dir={tmp_path}/{par}/lora'] for par in ('ddp', 'fsdp')})
+    for name, extra in (('turns', MULTI_TURN), ('turns-lora', MULTI_TURN + LORA)):  # multi-turn rollouts too
+        runs.update({(name, par): STEP + extra + [f'--init_from={policy}', f'--parallel={par}',
+                                                  f'--out_dir={tmp_path}/{par}/{name}'] for par in ('ddp', 'fsdp')})
     launch(list(runs.values()), tmp_path, TWO, name='two.json')
     one = [STEP + [f'--init_from={policy}', f'--loss_type={lt}', f'--out_dir={tmp_path}/one/{lt}']
            for lt in LOSS_TYPES if lt != 'bnpo'] + [STEP + LORA + [f'--init_from={policy}',
                                                                    f'--out_dir={tmp_path}/one/lora']]
+    one += [STEP + extra + [f'--init_from={policy}', f'--out_dir={tmp_path}/one/{name}']
+            for name, extra in (('turns', MULTI_TURN), ('turns-lora', MULTI_TURN + LORA))]
     launch(one, tmp_path, [sys.executable], name='one.json')
     start = load_file(os.path.join(policy, 'model.safetensors'))
     for lt in LOSS_TYPES:
@@ -67,6 +72,10 @@ def test_fsdp_equals_ddp_and_one_rank(policy, tmp_path):
         assert max_diff(weights(f'{tmp_path}/{where}/lora'), start) == 0, where
     merged = {where: weights(f'{tmp_path}/{where}/lora', 'merged/model.safetensors') for where in ('ddp', 'fsdp')}
     assert max_diff(merged['fsdp'], merged['ddp']) <= 1e-10 and max_diff(merged['fsdp'], start) > 1e-6
+    for name, file in (('turns', 'model.safetensors'), ('turns-lora', 'adapter/adapter_model.safetensors')):
+        got = {where: weights(f'{tmp_path}/{where}/{name}', file) for where in ('ddp', 'fsdp', 'one')}
+        assert max_diff(got['fsdp'], got['ddp']) <= 1e-10 and max_diff(got['one'], got['ddp']) <= 1e-10, name
+        same_rollouts(f'{tmp_path}/fsdp/{name}', f'{tmp_path}/ddp/{name}')
 
 
 def test_fsdp_compiled_is_fsdp_eager(policy, tmp_path):
