@@ -12,6 +12,7 @@ work (check_config). These raise ConfigError, which train.py prints as `error: .
 """
 import ast
 import difflib
+import importlib
 import math
 import os
 
@@ -147,6 +148,17 @@ def check_config(c, world_size):
     need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] != 0,  # None: 400 from scratch
          "beta > 0 needs a reference policy worth staying close to, but init_from='scratch' with sft_iters=0 "
          "starts from random weights; set sft_iters > 0, init_from a checkpoint directory, or beta=0")
+
+
+def import_named(name, what):
+    """The object 'module:attribute' names, imported from the Python path: a user's own reward function or
+    environment, named in the config; a one-line error when it is not there."""
+    module, _, attr = name.partition(':')
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{what} {name!r} cannot be imported ({e}); put {module}.py on the Python path (e.g. the "
+                          f"directory you run from) with {attr} in it") from None
 
 
 def check_device(device):

@@ -13,11 +13,9 @@ which is then instantiated). The observation's tokens are context, never actions
 KV cache after the policy's, and the loss masks them. Rewards still come from reward functions, which see each
 row's observations as a column.
 """
-import importlib
-
 import tools
 from chat import render_tool_turn
-from configurator import ConfigError
+from configurator import ConfigError, import_named
 
 
 class Calculator:
@@ -52,12 +50,7 @@ def get_env(name, enc):
     """The environment called `name`: a key of ENVS, or 'module:attribute' for one of your own, imported from the
     Python path; a class is instantiated. Its stop strings must be single tokens of enc."""
     if ':' in name:
-        module, _, attr = name.partition(':')
-        try:
-            env = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"environment {name!r} cannot be imported ({e}); put {module}.py on the Python path "
-                              f"(e.g. the directory you run from) with an environment {attr}") from None
+        env = import_named(name, 'environment')
     elif name in ENVS:
         env = ENVS[name]
     else:

@@ -12,13 +12,12 @@ sampled tokens, no padding, the eos included if it was sampled), `max_completion
 batch) and `truncated` (hit the length limit without an eos). Take the columns you need by name and swallow the
 rest with **kwargs. To add a reward, write such a function and add it to REWARD_FNS below.
 """
-import importlib
 import math
 import numbers
 import re
 from fractions import Fraction
 
-from configurator import ConfigError
+from configurator import ConfigError, import_named
 
 # names the rollout passes to reward functions itself, so a dataset column may not use them
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_completion_length", "truncated", "observations")
@@ -210,12 +209,7 @@ def get_reward_fns(names):
     fns = []
     for name in [names] if isinstance(names, str) else names:
         if ':' in name:
-            module, _, attr = name.partition(':')
-            try:
-                fn = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(f"reward function {name!r} cannot be imported ({e}); put {module}.py on the "
-                                  f"Python path (e.g. the directory you run from) with a function {attr}") from None
+            fn = import_named(name, 'reward function')
             if not callable(fn):
                 raise ConfigError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
         elif name in REWARD_FNS:
