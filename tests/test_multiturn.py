@@ -206,3 +206,18 @@ def test_bad_environments_are_one_line_errors():
         get_env('nosuchmodule:Maze', enc)
     with pytest.raises(ConfigError, match="stops a turn at '</calc>', which is not one token"):
         get_env('multiturn_env:TwoTokenStop', enc)
+
+
+def test_an_observation_past_the_token_limit_is_cut_and_the_row_truncated(tiny64):
+    """max_new_tokens bounds the whole trajectory: an observation longer than the room left is read in as far as it
+    fits, and the row ends there, its episode unfinished."""
+    ended = []
+    def turns(row, ids):
+        ended.append(row)
+        return list(range(40, 80))  # 40 tokens
+    tokens, mask, _ = generate(tiny64, turns, new=30)
+    for row in set(ended):
+        first = int(mask[row].nonzero().max()) + 1  # the row's own tokens end at its first eos
+        assert tokens[row, first:].tolist() == list(range(40, 40 + 30 - first))[:tokens.size(1) - first]
+        assert not mask[row, first:].any()
+    assert ended

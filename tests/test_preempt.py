@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +20,9 @@ ARGS = ['train.py', '--dtype=float64', '--eval_interval=0', '--save_interval=100
         '--num_generations=4', "--task_options={'digits': 1}", '--max_completion_length=4', '--block_size=16',
         '--n_layer=1', '--n_head=2', '--n_embd=32', '--sft_iters=20', '--sft_target_acc=0', '--sft_batch_size=8',
         '--micro_batch_size=4', '--learning_rate=3e-3', '--num_iterations=2', '--max_iters=40', '--peak_flops=1e12']
-ENV = dict(os.environ, OMP_NUM_THREADS='1')
+# tests/ on the path for the multi-turn case's scripted environment (tests/multiturn_env.py)
+ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=os.path.join(ROOT, 'tests'))
+TURNS = ['--env=multiturn_env:Echo', '--max_turns=3', '--max_completion_length=8']
 
 
 def weights(out_dir):
@@ -38,11 +41,12 @@ def launch(command):
     assert p.returncode == 0, p.stderr[-4000:]
 
 
-def test_sigterm_checkpoints_and_the_printed_command_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize('turns', [[], TURNS], ids=['one turn', 'multi-turn'])
+def test_sigterm_checkpoints_and_the_printed_command_resumes_bitwise(tmp_path, turns):
     straight = tmp_path / 'straight'
-    launch(ARGS + [f'--out_dir={straight}'])
+    launch(ARGS + turns + [f'--out_dir={straight}'])
     stopped = tmp_path / 'stopped'
-    p = subprocess.Popen(TORCHRUN + ARGS + [f'--out_dir={stopped}'], cwd=ROOT, env=ENV, text=True,
+    p = subprocess.Popen(TORCHRUN + ARGS + turns + [f'--out_dir={stopped}'], cwd=ROOT, env=ENV, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while iterations(stopped) < 3 and time.time() < deadline and p.poll() is None:
