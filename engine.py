@@ -29,7 +29,7 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
             raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token to condition on")
         model.check_length(n + max_new_tokens, f"prompt {i} ({n} tokens) + max_new_tokens ({max_new_tokens})")
     if turns is not None and eos_id is None:
-        raise ValueError("turns needs eos_id: a turn ends at an eos token")
+        raise ValueError("turns needs eos_id: a turn ends where a row samples one of those ids; pass them as eos_id")
     if not prompts or max_new_tokens < 1 or num_samples < 1 or temperature < 0:
         raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, num_samples >= 1 and "
                          "temperature >= 0")
@@ -94,8 +94,9 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     live = torch.arange(N, device=dev)  # output row of each batch row; the batch shrinks as rows finish
     done = torch.zeros(N, dtype=torch.bool, device=dev)
     cols = torch.arange(P, S, device=dev)  # the cache column of each step's input token, the same for every row
-    if turns is not None:  # multi-turn: what each row has queued to read, which steps are not its own, its last step
-        queued, observed, last = [[] for _ in range(N)], torch.zeros_like(tokens, dtype=torch.bool), [S - P] * N
+    if turns is not None:  # multi-turn: {row: the observation's tokens left to read}, the steps that are not the
+        # row's own (step-major, like tokens), each row's last step
+        queued, observed, last = {}, torch.zeros_like(tokens, dtype=torch.bool), [S - P] * N
     check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
     graphs = model.decode_graphs
     decode = cuda_graphs.decoder(model, cache, dtype) if graphs else model.decode
@@ -154,14 +155,17 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
 
 def _read_queued(queued, t, live, tok, lp, observed):
     """Step t's token of each live row with an observation queued: the observation's next token, log-prob 0."""
-    rows = [(j, row) for j, row in enumerate(live.tolist()) if queued[row]]
-    if not rows:
+    if not queued:  # most steps: no row is reading
         return tok, lp
+    rows = [(j, row) for j, row in enumerate(live.tolist()) if row in queued]
     j, row = (torch.tensor(x, device=tok.device) for x in zip(*rows))
     tok, lp = tok.clone(), lp.clone()
     tok[j] = torch.tensor([queued[r].pop(0) for _, r in rows], device=tok.device)
     lp[j] = 0.0
     observed[t, row] = True
+    for _, r in rows:
+        if not queued[r]:
+            del queued[r]
     return tok, lp
 
 
@@ -177,6 +181,6 @@ def _end_turns(turns, queued, t, live, tokens, observed, done, eos, last):
         observation = turns(row, tokens[:t + 1, row].tolist())
         if observation is None:
             done[j], last[row] = True, t
-        else:
+        elif observation:
             queued[row] = list(observation)
     return done

@@ -57,7 +57,8 @@ def get_env(name, enc):
         raise ConfigError(f"unknown environment {name!r}; use one of {', '.join(ENVS)} or 'module:attribute'")
     env = env() if isinstance(env, type) else env
     if not callable(getattr(env, 'step', None)):
-        raise ConfigError(f"environment {name!r} has no step(row, text) method")
+        raise ConfigError(f"environment {name!r} has no step(row, text) method; give it one that returns the text "
+                          f"the policy observes next, or None to end the episode")
     for s in getattr(env, 'stop', ()):
         try:
             enc.encode_single_token(s)

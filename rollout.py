@@ -127,7 +127,8 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
     """Decode and score completions (with an environment, whole trajectories, record their episodes). Returns
     rewards (N,) with NaN = not applicable, truncated (N,), texts, per-fn."""
     G = num_samples or cfg.num_generations
-    ids = [t[:n] for t, n in zip(tokens.tolist(), last_counted(mask).tolist())]
+    rows_ids = tokens.tolist()
+    ids = [t[:n] for t, n in zip(rows_ids, last_counted(mask).tolist())]
     # the text leaves out the eos, and ids past the tokenizer's vocabulary that a padded output layer can sample
     completions = [enc.decode([x for x in c if x < enc.n_vocab and x not in cfg.eos_ids]) for c in ids]
     truncated = [not e['finished'] for e in record] if record else \
@@ -135,7 +136,7 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != 'prompt'}
     # completion_ids: the policy's own tokens (a multi-turn row's observations left out), which DAPO's overlong
     # punishment counts
-    own = [[t for t, m in zip(row, counts) if m] for row, counts in zip(tokens.tolist(), mask.tolist())]
+    own = [[t for t, m in zip(row, counts) if m] for row, counts in zip(rows_ids, mask.tolist())]
     columns.update(completion_ids=own, truncated=truncated, max_completion_length=cfg.max_completion_length)
     if record:  # what the environment said after each of the policy's turns
         columns.update(observations=[e['observations'] for e in record])
