@@ -163,9 +163,12 @@ def encode_prompt(prompt, cfg, enc):
 def stop_ids(enc, template="none", path=None):
     """The ids that end a completion; the first is the one a finished answer is written with (warm start, padding):
     the chat template's end of turn, then the eos ids of the checkpoint the tokenizer came from (path: its
-    directory, tokenizer.json or .gguf file; instruct models list several), then the tokenizer's end of text."""
+    directory, tokenizer.json or .gguf file; instruct models list several), then the tokenizer's end of text.
+    Checks first that enc has the template's special tokens."""
+    check_template(enc, template)
     turn_end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(template)
     ids = [enc.encode_single_token(turn_end)] if turn_end else []
+    path = path if path and os.path.exists(path) else None  # a built-in tokenizer's name is no checkpoint
     folder = path if path is None or os.path.isdir(path) or path.endswith(".gguf") else os.path.dirname(path)
     ids += (folder and eos_ids(folder)) or []
     ids += [enc.eot_token] if enc.eot_token is not None else []

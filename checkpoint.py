@@ -89,6 +89,11 @@ def _link_base(src, dst):
     fsync_dir(dst)
 
 
+def ckpt_dir(out_dir, it):
+    """The directory of checkpoint `it`."""
+    return os.path.join(out_dir, f"ckpt-{it:06d}")
+
+
 def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None, save_merged=False,
          base_from=None):
     """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then. With
@@ -106,8 +111,9 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
     weights = parallelism.full_state_dict(model, keep=rank == 0) if save_merged or not base_from else None
     ref_weights = parallelism.full_state_dict(ref_model, keep=rank == 0) if ref_model is not None else None
     merged = lora.merged_state_dict(model, weights) if save_merged and lora.has_adapters(model) else None
-    name = f"ckpt-{it:06d}"
-    final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
+    final = ckpt_dir(out_dir, it)
+    name = os.path.basename(final)
+    tmp = os.path.join(out_dir, f".{name}.tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed mid-write
         if base_from:
@@ -142,6 +148,16 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
             if old.startswith('ckpt-') and old != name or old.startswith('.ckpt-'):
                 shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
     parallelism.barrier()
+
+
+def default_tokenizer(init_from, state):
+    """The tokenizer of a run that names none: a resumed run's own, a checkpoint's (a .gguf's, or tokenizer.json or
+    vocab.json beside the weights), else 'bytes'."""
+    if state:
+        return state['config']['tokenizer']
+    own = init_from.endswith('.gguf') or any(os.path.exists(os.path.join(init_from, f))
+                                             for f in ('tokenizer.json', 'vocab.json'))
+    return init_from if own else 'bytes'
 
 
 def tokenizer_files(tokenizer, out_dir, write):

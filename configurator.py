@@ -15,6 +15,7 @@ import difflib
 import importlib
 import math
 import os
+import sys
 
 import torch
 
@@ -22,6 +23,23 @@ import torch
 class ConfigError(ValueError):
     """A mistake in what the user gave: the configuration, a data file, a checkpoint, a tokenizer, a reward function.
     train.py prints it as one line, `error: ...`; every other exception keeps its traceback (a bug's, a fork's)."""
+
+
+def one_line_errors(kind, value, tb):
+    """train.py's sys.excepthook: bad input (a ConfigError) is one line, a bug keeps its traceback."""
+    if issubclass(kind, ConfigError):
+        print(f"error: {value}", file=sys.stderr)
+    else:
+        sys.__excepthook__(kind, value, tb)
+
+
+def need_package(name, why):
+    """Import an optional package (wandb, gguf) where it is asked for, or say in one line how to install it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise ConfigError(f"{why} needs the {name} package: pip install {name} (or pip install -r "
+                          f"requirements-extra.txt)") from None
 
 
 # the values a config may hold; anything else in train.py's globals (modules, functions) is not config
@@ -88,9 +106,9 @@ def configure(defaults, argv):
     return config
 
 
-def check_config(c, world_size):
-    """Reject combinations that cannot work, before any work starts. c: the config dict. The loss's settings are
-    loss.check_settings's to check (train.py calls both)."""
+def check_config(c, world_size, distributed=False):
+    """Reject combinations that cannot work, before any work starts. c: the config dict; distributed: under torchrun.
+    The loss's settings are loss.check_settings's to check (train.py calls both)."""
     def need(ok, msg):
         if not ok:
             raise ConfigError(msg)
@@ -117,6 +135,8 @@ def check_config(c, world_size):
     need(c['lora_alpha'] > 0, f"lora_alpha={c['lora_alpha']} must be > 0")
     need(0 < c['ref_model_mixup_alpha'] <= 1, f"ref_model_mixup_alpha={c['ref_model_mixup_alpha']} must be in (0, 1]; "
                                               f"1 = off (the reference becomes a copy)")
+    need(c['parallel'] != 'fsdp' or distributed, "parallel='fsdp' shards over torchrun's processes: launch with "
+         "torchrun (--nproc_per_node=1 for one GPU), or use parallel='ddp'")
     G, P = c['num_generations'], c['prompts_per_step']
     need(P % world_size == 0, f"prompts_per_step={P} is not divisible by the {world_size} ranks; "
                               f"make it a multiple of {world_size}")

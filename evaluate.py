@@ -6,7 +6,7 @@ evaluate every eval_interval iterations; its warm start asks greedy_hits when it
 import torch
 
 from measure import ticker
-from parallelism import all_sum
+from parallelism import all_sum, gathered
 from reward import pass_at_k
 from rollout import prompt_seed, sample, score
 
@@ -29,19 +29,21 @@ def greedy_hits(model, rows, seeds, cfg, enc, reward_fn, tick=lambda done: None)
 @torch.no_grad()
 def evaluate(model, test_rows, it, rank, cfg, enc, reward_fn, every):
     """Held-out greedy accuracy and unbiased pass@k (k = 1, 2, 4.. up to G) over all ranks, a progress line every
-    `every` seconds, and this rank's first prompts with their greedy completions."""
+    `every` seconds, and this rank's first prompts with their greedy completions. Under FSDP the whole weights are
+    gathered once, for all the sampler's steps."""
     rows = test_rows[rank::cfg.world_size]
     seeds = [prompt_seed(cfg.seed, -1, j) for j in range(rank, len(test_rows), cfg.world_size)]  # the same every eval
     per, G, c = max(1, cfg.prompts_per_step // cfg.world_size), cfg.num_generations, []
-    greedy, texts = greedy_hits(model, rows, seeds, cfg, enc, reward_fn,
-                                ticker(f"eval {it}, greedy", len(rows), 'prompts', every))
-    tick = ticker(f"eval {it}, sampled", len(rows), 'prompts', every)
-    for i in range(0, len(rows), per):
-        part = rows[i:i + per]
-        _, tokens, mask, _, record = sample(model, part, seeds[i:i + per], cfg, enc)
-        correct, _, _, _ = score(part, tokens, mask, cfg, enc, [reward_fn], [1.0], record=record)
-        c += (correct >= 1).view(-1, G).sum(1).tolist()  # correct samples per prompt
-        tick(i + len(part))
+    with gathered(model):
+        greedy, texts = greedy_hits(model, rows, seeds, cfg, enc, reward_fn,
+                                    ticker(f"eval {it}, greedy", len(rows), 'prompts', every))
+        tick = ticker(f"eval {it}, sampled", len(rows), 'prompts', every)
+        for i in range(0, len(rows), per):
+            part = rows[i:i + per]
+            _, tokens, mask, _, record = sample(model, part, seeds[i:i + per], cfg, enc)
+            correct, _, _, _ = score(part, tokens, mask, cfg, enc, [reward_fn], [1.0], record=record)
+            c += (correct >= 1).view(-1, G).sum(1).tolist()  # correct samples per prompt
+            tick(i + len(part))
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= G] + ([G] if G & (G - 1) else [])
     sums = all_sum(torch.tensor([greedy, len(rows)] + [sum(pass_at_k(G, ci, k) for ci in c) for k in ks],
                                 dtype=torch.float64)).tolist()

@@ -21,7 +21,7 @@ import os
 import numpy as np
 import torch
 
-from configurator import ConfigError
+from configurator import ConfigError, need_package
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -54,11 +54,7 @@ CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type: special added tokens,
 
 @functools.lru_cache(maxsize=1)  # the tokenizer, the eos ids and the model read one file: parse it once
 def _reader(path):
-    try:
-        import gguf
-    except ImportError:
-        raise ConfigError(f"{path}: reading a GGUF file needs the gguf package (llama.cpp's reader): pip install gguf "
-                          f"(or pip install -r requirements-extra.txt)") from None
+    gguf = need_package('gguf', f"{path}: reading a GGUF file (llama.cpp's reader)")
     if not os.path.isfile(path):
         raise ConfigError(f"{path} not found: give the path of a .gguf file")
     try:

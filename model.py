@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import engine
 import gguf_file
 import hf
+from configurator import ConfigError
 from head import HeadLogprobs
 from sampling import sample
 
@@ -200,6 +201,14 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"{what}: {T} tokens, more than block_size {self.config.block_size}; shorten it or use a "
                              f"model with a larger block_size")
+
+    def check_fits(self, enc, tokenizer, block_size):
+        """A pretrained model fits the run: the tokenizer's ids within its vocabulary, block_size within its own."""
+        if self.config.vocab_size < enc.n_vocab:
+            raise ConfigError(f"the model's vocab_size {self.config.vocab_size} < tokenizer '{tokenizer}' n_vocab "
+                              f"{enc.n_vocab}; pick the tokenizer the model was trained with")
+        if self.config.block_size < block_size:
+            raise ConfigError(f"block_size={block_size} exceeds the model's {self.config.block_size}; lower block_size")
 
     def configure_optimizer(self, *, lr, weight_decay, betas, fused):
         """AdamW over the trainable parameters (LoRA: the adapters), weight decay on matrices only (nanoGPT's

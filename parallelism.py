@@ -60,15 +60,17 @@ def load_whole(model, read):
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
-def wrap(model, *, device, fsdp, bf16, compile):
+def wrap(model, *, device, fsdp, bf16, compile, cuda_graphs=False):
     """The policy ready to train: under FSDP sharded in place, each rank's shards sent by rank 0 (the others built
-    it on the meta device); compiled if asked; under torchrun with DDP, wrapped in DistributedDataParallel. Returns
-    (the module the training forward calls, the model itself: what the sampler, the optimizer and checkpoints use)."""
+    it on the meta device); compiled if asked; under torchrun with DDP, wrapped in DistributedDataParallel; on CUDA
+    with cuda_graphs, generate's decode steps replayed as CUDA graphs (cuda_graphs.py). Returns (the module the
+    training forward calls, the model itself: what the sampler, the optimizer and checkpoints use)."""
     if fsdp:
         whole = model.state_dict() if dist.get_rank() == 0 else {}
         shard(model, bf16)
         load_whole(model.to_empty(device=device), lambda: whole)
     raw, on_cuda = model, 'cuda' in str(device)
+    raw.decode_graphs = cuda_graphs and on_cuda
     if compile:
         model = torch.compile(model)  # the training forward, i.e. the log-prob path
         # generate's step, sampling included: one graph, except under FSDP, whose hooks around each block break it
@@ -91,6 +93,14 @@ def frozen_copy(model, *, device, dtype, bf16, read=None):
     else:
         ref.load_state_dict(model.state_dict())
     return ref
+
+
+@torch.no_grad()
+def blend(ref, model, alpha):
+    """ref = alpha * model + (1 - alpha) * ref, parameter by parameter (alpha 1 copies); under FSDP shard by shard,
+    as frozen_copy shards ref like model."""
+    for r, p in zip(ref.parameters(), model.parameters()):
+        r.lerp_(p, alpha)
 
 
 def set_grad_sync(model, on):
@@ -178,7 +188,12 @@ def resident_mb(model, optimizer, ref_model=None):
 
 def init(device):
     """Under torchrun (RANK set), join the process group, gloo on the CPU, nccl for CUDA tensors (with gloo for the
-    small CPU ones), and take this rank's GPU. Returns (distributed, rank, world_size, device)."""
+    small CPU ones), and take this rank's GPU. Returns (distributed, rank, world_size, device), device 'auto' made
+    'cuda' or 'cpu'."""
+    torch.backends.cuda.matmul.allow_tf32 = True  # CUDA float32 matmuls in TF32
+    torch.backends.cudnn.allow_tf32 = True
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
     if int(os.environ.get('RANK', -1)) == -1:
         return False, 0, 1, device
     use_cuda = torch.cuda.is_available() and device != 'cpu'
@@ -236,7 +251,12 @@ def end(code=0):
     gloo worker thread frees that work only once it has woken the main thread, and the free takes the GIL, so if the
     interpreter is shutting down by then the thread dies inside the destructor and the rank aborts ("terminate called
     without an active exception", SIGABRT; torch 2.13, pytorch/pytorch#190489; about 1 launch in 300 under the tests'
-    load, 1 in 20 for a bare DDP script). Everything is written and closed by the time the loop calls this."""
+    load, 1 in 20 for a bare DDP script). Everything is written and closed by the time the loop calls this. On one
+    process: SystemExit(code) where code is not 0."""
+    if not dist.is_initialized():
+        if code:
+            raise SystemExit(code)
+        return
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

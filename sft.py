@@ -7,6 +7,7 @@ cached in out_dir/warmstart and reused by later runs while the settings that mad
 import json
 import math
 import os
+import time
 
 import torch
 
@@ -19,6 +20,14 @@ from parallelism import all_sum, full_state_dict, gathered
 from chat import encode_prompt
 from rollout import encode_observation, pack, prompt_seed
 
+# the warm start's config keys, with their defaults: train.py's config takes them from here
+SETTINGS = dict(
+    sft_iters=None,  # None = up to 1000 from scratch and 0 from a pretrained checkpoint, which needs no warm start
+    sft_batch_size=64,
+    sft_learning_rate=1e-3,
+    sft_target_acc=0.3,  # > 0: stop once greedy accuracy on 256 train prompts reaches it (a fixed count is not robust)
+    sft_check_interval=50,  # steps between those checks
+)
 # the settings the cached weights depend on
 KEYS = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
         'vocab_size', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',
@@ -41,18 +50,24 @@ def target(row, cfg, enc):
     return ids + [cfg.eos_ids[0]], own + [1]
 
 
+def default_iters(init_from):
+    """sft_iters=None: up to 1000 steps from scratch, none from a pretrained checkpoint."""
+    return 0 if os.path.isdir(init_from) or init_from.endswith('.gguf') else 1000
+
+
 def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
     """Train `model` (DDP's or FSDP's wrapper of raw_model) on the answers of the train rows with `optimizer`, or
     load the cached result. Every rank takes sft_batch_size / ranks rows a step, the same draws whatever the ranks.
     With sft_target_acc it ends once greedy accuracy on the first 256 train prompts reaches it (checked every
-    sft_check_interval steps). Returns what it did, for the log."""
+    sft_check_interval steps). Rank 0 prints what it did."""
+    began = time.time()
     spec = json.loads(json.dumps({k: getattr(cfg, k) for k in KEYS}))  # as the JSON file reads back: lists, not tuples
     path = os.path.join(cfg.out_dir, 'warmstart')
     p = next(raw_model.parameters())
     dtype, device = p.dtype, p.device
     if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
         parallelism.load_whole(raw_model, lambda: GPT.from_pretrained(path, dtype=dtype).state_dict())
-        return 'loaded'
+        return _said('loaded', began, rank)
     ranks, eos = cfg.world_size, cfg.eos_ids[0]
     tick = ticker('warm start', cfg.sft_iters, 'steps', cfg.progress_interval if rank == 0 else math.inf)
     probe = rows[rank:256:ranks]  # the same prompts at every check
@@ -85,4 +100,9 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
     if rank == 0:
         raw_model.save_pretrained(path, state_dict=weights)
         checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
-    return f'trained {steps} iters'
+    return _said(f'trained {steps} iters', began, rank)
+
+
+def _said(how, began, rank):
+    if rank == 0:
+        print(f"warm start: {how} ({time.time() - began:.1f}s)", flush=True)

@@ -1,19 +1,14 @@
 """
 The GRPO training loop: rollout, reward, advantages, a few optimizer steps, repeat.
 
-One process (CPU or one GPU):
-$ python train.py config/dr_grpo.py
-DDP on one machine (gloo on CPU, nccl on GPUs):
-$ torchrun --standalone --nproc_per_node=2 train.py config/dr_grpo.py
-Several machines, e.g. 2 nodes of 8 GPUs (run on each node, the same HOST:PORT of the first node on both):
-$ torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py config/grpo_gpt2.py
+$ python train.py config/dr_grpo.py  # one process (CPU or one GPU)
+$ torchrun --standalone --nproc_per_node=2 train.py config/dr_grpo.py  # DDP: gloo on CPU, nccl on GPUs
+(several machines: torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 ...)
 
-Batch arithmetic, per iteration (one rollout):
-    prompts_per_step prompts (split across ranks) x num_generations completions = the rollout batch
-    the rollout batch is cut into steps_per_generation optimizer steps, each over micro-batches of micro_batch_size
-    on every rank (gradient accumulation), and the whole thing is repeated num_iterations (mu) times.
-loss.py's step-wide normalisers are summed over ranks and micro-batches, so the update is the same whatever the
-split: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameters.
+Per iteration: prompts_per_step prompts (split across ranks) x num_generations completions = the rollout batch, cut
+into steps_per_generation optimizer steps over micro-batches of micro_batch_size on each rank (gradient
+accumulation), all repeated num_iterations (mu) times. loss.py's normalisers are summed over ranks and
+micro-batches: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameters.
 """
 import json
 import math
@@ -27,19 +22,18 @@ import torch
 import checkpoint
 import lora
 import parallelism
-from configurator import ConfigError, check_config, check_device, configure
+import sft
+from chat import stop_ids
+from configurator import ConfigError, check_config, check_device, configure, need_package, one_line_errors
 from data import load_task
 from envs import get_env
 from evaluate import evaluate, report
-from loss import check_settings, grpo_loss
-from loss import settings as loss_settings
-from measure import fastest_dtype, hms, matmul_peak, memory_mb, phase
+from loss import check_settings, grpo_loss, settings as loss_settings
+from measure import fastest_dtype, iteration_line, matmul_peak, memory_mb, phase
 from model import GPT, GPTConfig
 from parallelism import all_sum, full, gathered
-from sampling import check_sampling
 from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
-from sft import warm_start
-from chat import check_template, stop_ids
+from sampling import check_sampling
 from tokenizer import get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -72,12 +66,6 @@ block_size = 64
 vocab_size = 0  # 0 = the tokenizer's; more pads the output layer (nanoGPT's 50304), e.g. for benchmarks
 dropout = 0.0
 bias = True
-# supervised warm start on the task's answers, for a new run (sft.py: why, and the out_dir/warmstart cache)
-sft_iters = None  # None = up to 1000 from scratch and 0 from a pretrained checkpoint, which needs no warm start
-sft_batch_size = 64
-sft_learning_rate = 1e-3
-sft_target_acc = 0.3  # > 0: stop once greedy accuracy on 256 train prompts reaches it (a fixed count is not robust)
-sft_check_interval = 50  # steps between those checks
 # rollout
 prompts_per_step = 32  # prompts per iteration, over all ranks
 num_generations = 8  # G: completions per prompt
@@ -98,12 +86,7 @@ advantage_estimator = 'grpo'  # the baseline: 'grpo' (group mean), 'rloo' (leave
 multi_objective_aggregation = 'sum_then_normalize'  # or 'normalize_then_sum' (GDPO) for several reward functions
 kl_in_reward = False  # PPO's placement of the KL (beta > 0): in the reward, not in the loss (docs/kl.md)
 top_entropy_quantile = 1.0  # 80/20: the policy term on this share of the step's tokens, highest entropy first
-# LoRA (lora.py): adapters on a frozen pretrained model; the reference is the base (adapters off): no second copy
-lora_rank = 0  # 0 = full fine-tuning
-lora_alpha = 32.0  # the adapters' output is scaled by lora_alpha / lora_rank
-lora_dropout = 0.0
-lora_targets = ()  # PEFT's target_modules in the family's names, e.g. ('q_proj', 'v_proj'); () = 'all-linear'
-lora_save_merged = False  # each checkpoint also holds merged/: the base with the adapters merged in (for serving)
+# the warm start's keys (sft_iters, sft_target_acc, ...) are in sft.SETTINGS, LoRA's (lora_rank, ...) in lora.SETTINGS
 # optimization
 num_iterations = 1  # mu: passes over each rollout batch
 steps_per_generation = 1  # optimizer steps per pass
@@ -131,36 +114,22 @@ seed = 1337
 peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at start
 
 
-def _user_error(kind, value, tb):  # bad input is one line, a bug keeps its traceback
-    if issubclass(kind, ConfigError):
-        print(f"error: {value}", file=sys.stderr)
-    else:
-        sys.__excepthook__(kind, value, tb)
-sys.excepthook = _user_error
-config = configure({**loss_settings(), **globals()}, sys.argv[1:])
+sys.excepthook = one_line_errors  # bad input is one line, a bug keeps its traceback
+config = configure({**loss_settings(), **sft.SETTINGS, **lora.SETTINGS, **globals()}, sys.argv[1:])
 globals().update(config)
 check_device(device)
 # -----------------------------------------------------------------------------
 
 distributed, rank, world_size, device = parallelism.init(device)  # under torchrun: DDP or FSDP
-if device == 'auto':
-    device = 'cuda' if torch.cuda.is_available() else 'cpu'
 checkpoint.catch_stop_signals()  # SIGTERM or Ctrl-C: a checkpoint at the next iteration boundary
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 master = rank == 0
-if sft_iters is None:
-    sft_iters = config['sft_iters'] = 0 if os.path.isdir(init_from) or init_from.endswith('.gguf') else 1000
-check_config(config, world_size)
+sft_iters = config['sft_iters'] = sft.default_iters(init_from) if sft_iters is None else sft_iters
+check_config(config, world_size, distributed)
 check_settings(config)
 check_sampling(top_k, top_p)
-if parallel == 'fsdp' and not distributed:
-    raise ConfigError("parallel='fsdp' shards over torchrun's processes: launch with torchrun (--nproc_per_node=1 "
-                      "for one GPU), or use parallel='ddp'")
 state = checkpoint.load_state(out_dir, parallel, world_size) if init_from == 'resume' else None
-if not tokenizer:  # the checkpoint's own; a resumed run keeps the one it started with
-    own = init_from.endswith('.gguf') or any(os.path.exists(os.path.join(init_from, f))
-                                             for f in ('tokenizer.json', 'vocab.json'))
-    tokenizer = config['tokenizer'] = state['config']['tokenizer'] if state else init_from if own else 'bytes'
+tokenizer = config['tokenizer'] = tokenizer or checkpoint.default_tokenizer(init_from, state)
 if dtype == 'auto':  # rank 0 measures, so that every rank computes in the same dtype
     dtype = config['dtype'] = parallelism.from_rank0(fastest_dtype(device) if master else None)
 autocast = dtype in ('bfloat16', 'float16')
@@ -169,23 +138,14 @@ cfg = SimpleNamespace(**config, world_size=world_size, autocast=autocast, ptdtyp
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 loss_config = {k: config[k] for k in (*loss_settings(), 'max_completion_length')}  # grpo_loss's, by name
 loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL is in the reward instead
-torch.backends.cuda.matmul.allow_tf32 = True
-torch.backends.cudnn.allow_tf32 = True
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
-check_template(enc, chat_template)
-cfg.eos_ids = stop_ids(enc, chat_template, tokenizer if os.path.exists(tokenizer) else None)
+cfg.eos_ids = stop_ids(enc, chat_template, tokenizer)  # and the template's special tokens checked
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
 cfg.environment = get_env(env, enc) if env else None
-if wandb_log:
-    try:
-        import wandb  # optional: only when asked for
-    except ImportError:
-        raise ConfigError("wandb_log=True needs the wandb package: pip install wandb (or pip install -r "
-                          "requirements-extra.txt), or drop wandb_log") from None
+wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # optional: only when asked for
 train_rows, test_rows, reward_fns, reward_weights = load_task(cfg, enc)
-
 
 # model
 torch.manual_seed(seed)  # the scratch init: the same weights on every rank and in every run
@@ -196,25 +156,18 @@ if init_from == 'scratch':
 else:  # under FSDP only rank 0 reads the weights; the others build the shape alone, then get their shards from it
     model = GPT.from_pretrained(state['dir'] if init_from == 'resume' else init_from, dtype=param_dtype,
                                 device='meta' if fsdp and not master else None)
-if model.config.vocab_size < enc.n_vocab:
-    raise ConfigError(f"the model's vocab_size {model.config.vocab_size} < tokenizer '{tokenizer}' n_vocab "
-                      f"{enc.n_vocab}; pick the tokenizer the model was trained with")
-if model.config.block_size < block_size:
-    raise ConfigError(f"block_size={block_size} exceeds the model's {model.config.block_size}; lower block_size")
+model.check_fits(enc, tokenizer, block_size)
 model.to(device=None if fsdp else device, dtype=param_dtype)
 model.gradient_checkpointing = gradient_checkpointing
 if lora_rank:  # the adapters' random A is drawn from the seeded generator: the same on every rank
     lora.add_lora(model, lora_rank, lora_alpha, lora_dropout, lora_targets or 'all-linear')
     if init_from == 'resume' and (master or not fsdp):
         lora.load_adapter(model, os.path.join(state['dir'], 'adapter'))
-fsdp_bf16 = device_type == 'cuda' and dtype == 'bfloat16'  # FSDP's mixed precision: bf16 compute copies
-model, raw_model = parallelism.wrap(model, device=device, fsdp=fsdp, bf16=fsdp_bf16, compile=compile)
-raw_model.decode_graphs = cuda_graphs and device_type == 'cuda'
-
-
-def make_optimizer(lr):
-    return raw_model.configure_optimizer(lr=lr, weight_decay=weight_decay, betas=(beta1, beta2),
-                                         fused=device_type == 'cuda')
+bf16 = device_type == 'cuda' and dtype == 'bfloat16'  # FSDP's mixed precision: bf16 compute copies
+model, raw_model = parallelism.wrap(model, device=device, fsdp=fsdp, bf16=bf16, compile=compile,
+                                    cuda_graphs=cuda_graphs)
+make_optimizer = lambda lr: raw_model.configure_optimizer(lr=lr, weight_decay=weight_decay, betas=(beta1, beta2),
+                                                          fused=device_type == 'cuda')
 
 
 def get_lr(step):
@@ -247,7 +200,7 @@ def forward_backward(mb, num_sequences, num_tokens):
 def policy_update(batch, times):
     """num_iterations passes of steps_per_generation optimizer steps over this rank's rollout batch, each step over
     micro-batches (gradient accumulation). Returns the stats to log, over every rank; adds each phase's seconds to
-    times."""
+    times ('comm' has parts in the rollout too)."""
     global step
     rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
     sums, ran, bad = {}, torch.zeros(4, dtype=torch.float64), 0  # ran: tokens run, not padding, the rows' own; FLOPs
@@ -267,11 +220,9 @@ def policy_update(batch, times):
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v.detach().double()
             with phase(times, 'optimizer', device):
-                limit = grad_clip if grad_clip > 0 else math.inf
-                norm = full(torch.nn.utils.clip_grad_norm_(raw_model.parameters(), limit))  # FSDP: a DTensor
-            with phase(times, 'comm', device):  # the ranks share one gradient, but a NaN on one must stop them all
+                norm = full(torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf))  # DTensor
+                # under FSDP; the ranks share one gradient, but a NaN on one must stop them all
                 finite = all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() == 0
-            with phase(times, 'optimizer', device):
                 if finite:
                     for group in optimizer.param_groups:
                         group['lr'] = get_lr(step)
@@ -292,8 +243,7 @@ def save(it):
     global saved_it
     parallelism.check_replicas(raw_model, it)
     # LoRA: the base is frozen, so the run's last checkpoint (saved or resumed from) holds ours: link its files
-    base_from = os.path.join(out_dir, checkpoint.read_json(os.path.join(out_dir, 'latest'))) \
-        if lora_rank and saved_it is not None else None
+    base_from = checkpoint.ckpt_dir(out_dir, saved_it) if lora_rank and saved_it is not None else None
     checkpoint.save(out_dir, it, model=raw_model, optimizer=optimizer, ref_model=ref_model,
                     trainer_state=dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size),
                     tokenizer_dir=tokenizer_dir, save_merged=lora_save_merged, base_from=base_from)
@@ -301,9 +251,9 @@ def save(it):
 
 
 def stop_if_signalled(it):
-    """At an iteration boundary, where the weights are the state before iteration `it`: if any rank got a signal,
-    all of them save that state, print how to resume, and exit with 128 + the signal's number. A rollout in
-    progress is dropped (resume samples it again, identically); an update in progress is finished first."""
+    """At an iteration boundary (the state before iteration `it`): if any rank got a signal, all save that state,
+    print how to resume and exit with 128 + its number. A rollout in progress is dropped (resume samples it again,
+    identically); an update in progress is finished first."""
     sig = checkpoint.stop_requested()
     if not sig:
         return
@@ -315,82 +265,50 @@ def stop_if_signalled(it):
 
 
 def finish(code=0):
-    if master and wandb_log:
+    if master and wandb:
         wandb.finish()
-    if distributed:
-        parallelism.end(code)
-    if code:
-        raise SystemExit(code)
+    parallelism.end(code)
 
 
 def log(metrics, line):
-    if not master:
-        return
-    print(line, flush=True)
-    with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
-        f.write(json.dumps(metrics) + '\n')
-    if wandb_log:
-        wandb.log(metrics, step=metrics["iter"])  # the x-axis is the iteration, eval and train alike
+    if master:
+        print(line, flush=True)
+        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
+            f.write(json.dumps(metrics) + '\n')
+        if wandb:
+            wandb.log(metrics, step=metrics["iter"])  # the x-axis is the iteration, eval and train alike
 
 
-def evaluate_and_log(it):
-    with gathered(raw_model):  # FSDP: the whole weights for the sampler, gathered once
-        metrics, samples = evaluate(raw_model, test_rows, it=it, rank=rank, cfg=cfg, enc=enc, reward_fn=reward_fns[0],
-                                    every=progress_interval if master else math.inf)
-    log(dict(metrics, iter=it), report(metrics, samples, it))
-
-
-def sync_reference(it):
-    """TR-DPO: every ref_sync_every iterations ref = alpha * policy + (1 - alpha) * ref (lerp with alpha 1 copies)."""
-    if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:
-        with torch.no_grad():
-            for ref_p, p in zip(ref_model.parameters(), raw_model.parameters()):
-                ref_p.lerp_(p, ref_model_mixup_alpha)
-
-
-def log_iteration(it, info, stats, times, clock, mem_mb):
-    """The iteration's line and metrics.jsonl record: the rollout's numbers gathered over ranks, then the update's.
-    times: the update's seconds per phase; clock: the iteration's start, the update's start, its end."""
-    for k, v in info['time'].items():  # the rollout's seconds per phase; 'comm' has parts in both
-        times[k] = times.get(k, 0.0) + v
+def log_iteration(it, info, stats, clock, mem_mb):
+    """The iteration's line and metrics.jsonl record: the rollout's numbers gathered over ranks, then the update's;
+    info['time']: the seconds per phase of both. clock: the iteration's start, the update's start, its end."""
     update = clock[2] - clock[1]
     m = dict(iter=it, **rollout_metrics(info, num_generations, reward_fns, device),
              train_tok_s=stats.pop('train_tokens') / update, mfu=stats.pop('flops') / update / peak,
              dt=clock[2] - clock[0], mem_mb=mem_mb, **parallelism.resident_mb(raw_model, optimizer, ref_model),
-             **stats, **{f'time/{k}': v for k, v in times.items()})
-    others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in reward_fns[1:])  # e.g. the format
+             **stats, **{f'time/{k}': v for k, v in info['time'].items()})
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
-    log(m, f"iter {it}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}{others} | "
-           f"flat {m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc {m['truncated']:.2f} | kl "
-           f"{m['kl']:.4f} | entropy {m['entropy']:.2f} | clip {m['clip_ratio/region']:.3f} | gnorm "
-           f"{m['grad_norm']:.2f} | lr {m['lr']:.1e} | rollout {m['rollout_tok_s']:.0f} tok/s | train "
-           f"{m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | {m['dt']:.2f}s | eta {hms(eta)}" +
-        (f" | {m['bad_steps']} non-finite step(s) skipped" if m['bad_steps'] else ""))
+    log(m, iteration_line(m, max_iters=max_iters, eta=eta, reward_fns=reward_fns))
 
 
 # -----------------------------------------------------------------------------
 os.makedirs(out_dir, exist_ok=True)
-if master and wandb_log:  # its files go with the run's: out_dir/wandb (WANDB_MODE=offline keeps them local)
+if wandb and master:  # its files go with the run's: out_dir/wandb (WANDB_MODE=offline keeps them local)
     wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
 optimizer = make_optimizer(learning_rate)
 iter_start, step, bad_in_row, saved_it = 0, 0, 0, None
 if init_from == 'resume':
-    iter_start, step, bad_in_row = state['iter'], state['step'], state['bad_in_row']
-    saved_it = iter_start
+    iter_start = saved_it = state['iter']
+    step, bad_in_row = state['step'], state['bad_in_row']
     checkpoint.load_optimizer(state['dir'], optimizer, rank if fsdp else None)
 elif sft_iters > 0:
-    t = time.time()
-    how = warm_start(model, raw_model, optimizer=make_optimizer(sft_learning_rate), rows=train_rows, cfg=cfg, enc=enc,
-                     reward_fn=reward_fns[0], rank=rank)
-    if master:
-        print(f"warm start: {how} ({time.time() - t:.1f}s)", flush=True)
-ref_model = None
-if beta > 0 and lora_rank:
-    ref_model = raw_model  # the policy itself: rollout.py computes the reference's log-probs with the adapters off
-elif beta > 0:  # the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
-    saved = lambda: GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict()
-    ref_model = parallelism.frozen_copy(raw_model, device=device, dtype=param_dtype, bf16=fsdp_bf16,
-                                        read=saved if init_from == 'resume' else None)
+    sft.warm_start(model, raw_model, optimizer=make_optimizer(sft_learning_rate), rows=train_rows, cfg=cfg, enc=enc,
+                   reward_fn=reward_fns[0], rank=rank)
+# the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations); with LoRA it is the
+# policy itself, whose log-probs rollout.py computes with the adapters off
+saved = lambda: GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict()
+ref_model = None if beta == 0 else raw_model if lora_rank else parallelism.frozen_copy(
+    raw_model, device=device, dtype=param_dtype, bf16=bf16, read=saved if init_from == 'resume' else None)
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]  # in the dtype the update computes in
 if master:
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
@@ -401,15 +319,18 @@ for it in range(iter_start, max_iters + 1):
     if it < max_iters:
         stop_if_signalled(it)
     evaluating = eval_interval and (it % eval_interval == 0 or it == max_iters)
-    if evaluating:
-        evaluate_and_log(it)
+    if evaluating:  # held-out greedy accuracy and pass@k
+        metrics, samples = evaluate(raw_model, test_rows, it=it, rank=rank, cfg=cfg, enc=enc, reward_fn=reward_fns[0],
+                                    every=progress_interval if master else math.inf)
+        log(dict(metrics, iter=it), report(metrics, samples, it))
     if it > iter_start and (save_interval and it % save_interval == 0 or it == max_iters) and bad_in_row == 0:
         save(it)
     if it == max_iters:
         break
     if evaluating:
         stop_if_signalled(it)  # an evaluation can take a while
-    sync_reference(it)
+    if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:  # TR-DPO
+        parallelism.blend(ref_model, raw_model, ref_model_mixup_alpha)  # the reference moves towards the policy
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout's randomness follows the iteration: resume is exact
     t0 = time.perf_counter()
     with gathered(raw_model, ref_model):  # FSDP: gathered once for all of generate's steps and the log-prob passes
@@ -418,13 +339,12 @@ for it in range(iter_start, max_iters + 1):
                               reward_fns=reward_fns, reward_weights=reward_weights)
     mem_rollout, t1 = memory_mb(device), time.perf_counter()
     stop_if_signalled(it)  # the rollout is the long part; resume redoes it exactly
-    times = {}
-    stats = policy_update(batch, times)  # the optimizer steps over the rollout batch
+    stats = policy_update(batch, times=info['time'])  # the optimizer steps; their seconds added to the rollout's
     bad_in_row = bad_in_row + stats['bad_steps'] if stats['bad_steps'] else 0
     if bad_in_row >= max_bad_steps:
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
                          f"(iteration {it}); the last good checkpoint in {out_dir} is intact. Lower learning_rate "
                          f"or check the rewards, then resume with init_from='resume'")
-    log_iteration(it, info, stats, times, (t0, t1, time.perf_counter()), max(mem_rollout, memory_mb(device)))
+    log_iteration(it, info, stats, (t0, t1, time.perf_counter()), max(mem_rollout, memory_mb(device)))
 
 finish()

@@ -24,7 +24,8 @@ import parallelism  # noqa: E402 (the root is on the path only now)
 end = parallelism.end
 if 'RANK' in os.environ:  # train.py's own init and end become no-ops on the group made here
     dist.init_process_group(backend='gloo')
-    dist.init_process_group = parallelism.end = lambda *args, **kwargs: None
+    dist.init_process_group = lambda *args, **kwargs: None
+    parallelism.end = lambda code=0: sys.exit(code) if code else None  # as on one process: the group stays
 for run in json.load(open(sys.argv[1])):
     args = run['args'] if isinstance(run, dict) else run
     if isinstance(run, dict) and run.get('diverge') and os.environ.get('RANK') == '1':

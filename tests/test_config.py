@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+import lora
+import sft
 from configurator import ConfigError, check_config, configure
 from loss import check_settings, settings
 from sampling import check_sampling
@@ -21,7 +23,7 @@ def train_defaults():
                 out[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:
                 pass
-    return {**settings(), **out}  # train.py's configure() gets grpo_loss's settings too
+    return {**settings(), **sft.SETTINGS, **lora.SETTINGS, **out}  # as train.py's configure() gets them
 
 
 DEFAULTS = train_defaults()

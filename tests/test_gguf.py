@@ -258,7 +258,7 @@ def test_a_damaged_or_missing_file_and_a_missing_package(tmp_path, monkeypatch):
     one_line(lambda: GPT.from_pretrained(str(tmp_path / "none.gguf")), "none.gguf not found")
     gguf_file._reader.cache_clear()
     monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed
-    one_line(lambda: GPT.from_pretrained(path), "needs the gguf package .*pip install gguf")
+    one_line(lambda: GPT.from_pretrained(path), "needs the gguf package.*pip install gguf")
 
 
 # -----------------------------------------------------------------------------
