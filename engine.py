@@ -1,7 +1,8 @@
 """
 The sampling engine behind GPT.generate: G completions per prompt from a static KV cache, each prompt prefilled
 once straight into the cache rows of its samples (as nanochat's engine does), then every row decoded together one
-token a step with GPT.decode.
+token a step with GPT.decode, each row's token going into its own next cache column (rows are level, except that a
+multi-turn row jumps ahead by each observation it reads in).
 
 The cache is allocated once for a call's batch and sequence and never moved (finished rows are dropped by copying
 the live ones into its first rows), and freed when the call returns, leaving its memory to the update. With
@@ -89,31 +90,34 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     eos = None if eos_id is None else torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id)),
                                                    device=dev)
     fill = 0 if eos is None else int(eos[0])
-    tokens = torch.full((max_new_tokens, N), fill, device=dev)  # step-major: each step writes one row
-    logps = torch.zeros(max_new_tokens, N, device=dev)
+    M = max_new_tokens
+    tokens = torch.full((M + 1, N), fill, device=dev)  # step-major: row j holds each row's j-th token; row M is
+    logps = torch.zeros(M + 1, N, device=dev)  # where the finished rows' tokens go, never returned
     live = torch.arange(N, device=dev)  # output row of each batch row; the batch shrinks as rows finish
     done = torch.zeros(N, dtype=torch.bool, device=dev)
-    cols = torch.arange(P, S, device=dev)  # the cache column of each step's input token, the same for every row
-    if turns is not None:  # multi-turn: {row: the observation's tokens left to read}, the steps that are not the
-        # row's own (step-major, like tokens), each row's last step
-        queued, observed, last = {}, torch.zeros_like(tokens, dtype=torch.bool), [S - P] * N
+    j = torch.zeros(N, dtype=torch.long, device=dev)  # each row's index of its newest token: in its cache at P + j
+    if turns is not None:  # multi-turn: which tokens are an observation's, each row's last own token
+        observed, last = torch.zeros(M + 1, N, dtype=torch.bool, device=dev), [M - 1] * N
     check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
     graphs = model.decode_graphs
     decode = cuda_graphs.decoder(model, cache, dtype) if graphs else model.decode
     # a step attends over the cache columns written so far, rounded up to a multiple of 64 (a few shapes for a
     # compiled step or a graph): reading the keys and values is most of a decode step's time outside the matmuls
-    width = 0
+    width, top = 0, 0  # top: the largest j (an observation takes a row ahead of the others)
     tok, lp = sample(logits, temperature, top_k, top_p, u[0])  # (N,), (N,)
-    for t in range(max_new_tokens):
+    for t in range(M):
+        at = torch.where(done, M, j)
+        tokens.index_put_((at, live), tok)
+        logps.index_put_((at, live), lp)
         if turns is not None:
-            tok, lp = _read_queued(queued, t, live, tok, lp, observed)
-        tokens[t].index_copy_(0, live, tok.masked_fill(done, fill))
-        logps[t].index_copy_(0, live, lp.masked_fill(done, 0.0))
-        if turns is not None:
-            done = _end_turns(turns, queued, t, live, tokens, observed, done, eos, last)
+            tok, lp, done, ahead = _end_turns(turns, model, live=live, tok=tok, lp=lp, j=j, done=done, eos=eos,
+                                              kv=kv, key_mask=key_mask, lens=lens, P=P, tokens=tokens,
+                                              observed=observed, last=last)
+            top = max(top, ahead)
         elif eos is not None:
             done = done | torch.isin(tok, eos)
-        if t == max_new_tokens - 1:
+        done = done | (j == M - 1)
+        if t == M - 1:
             break
         if t % check_every == check_every - 1:
             keep = (~done).nonzero().squeeze(1)
@@ -127,17 +131,18 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
                     k[:n, :, :S], v[:n, :, :S] = k[keep, :, :S], v[keep, :, :S]
                 key_mask[:n] = key_mask[keep]
                 kv, key_mask = [(k[:n], v[:n]) for k, v in kv], key_mask[:n]
-                live, lens, tok, done, width = live[keep], lens[keep], tok[keep], done[keep], 0
-        if P + t + 1 > width:
-            width = min(S, (P + t + 64) // 64 * 64)  # S, not the cache's columns: the same sums, call to call
+                live, lens, tok, done, j, width = live[keep], lens[keep], tok[keep], done[keep], j[keep], 0
+        if P + top + 1 > width:
+            width = min(S, (P + top + 64) // 64 * 64)  # S, not the cache's columns: the same sums, call to call
             step_kv, step_mask = [(k[:, :, :width], v[:, :, :width]) for k, v in kv], key_mask[:, :width]
-        tok, lp = decode(tok=tok, pos=lens + t, col=cols[t:t + 1], u=u[t + 1].index_select(0, live), kv=step_kv,
+        col = (P + j).clamp(max=S - 1)  # a finished row writes over its last column, which nothing reads again
+        tok, lp = decode(tok=tok, pos=lens + j, col=col, u=u[(j + 1).clamp(max=M - 1), live], kv=step_kv,
                          key_mask=step_mask, temperature=temperature, top_k=top_k, top_p=top_p)
+        j, top = j + ~done, min(top + 1, M - 1)
 
-    tokens, logps = tokens.t(), logps.t()  # (N, max_new_tokens)
-    if turns is not None:  # the row's own tokens up to its last step: never an observation's
-        steps = torch.arange(max_new_tokens, device=dev)
-        mask = ~observed.t() & (steps <= torch.tensor(last, device=dev)[:, None])
+    tokens, logps = tokens[:M].t(), logps[:M].t()  # (N, max_new_tokens)
+    if turns is not None:  # the row's own tokens up to its last: never an observation's
+        mask = ~observed[:M].t() & (torch.arange(M, device=dev) <= torch.tensor(last, device=dev)[:, None])
     elif eos is None:
         mask = torch.ones_like(tokens, dtype=torch.bool)
     else:  # real tokens: no eos strictly before them (rows end with eos, then are filled with it)
@@ -148,39 +153,57 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
 
 
 # -----------------------------------------------------------------------------
-# multi-turn: a row that ends a turn (samples an eos id) gets the observation turns(row, its tokens so far) returns,
-# read in one token a step through the same decode steps as the other rows' samples: its keys and values go into the
-# row's cache after the tokens before them, a prefill of the new tokens only, while the other rows decode on. The
-# token the step samples for such a row is dropped; the first one after the observation is the row's own again.
+# multi-turn: a row that ends a turn (its newest token is an eos id) gets the observation turns(row, its tokens so
+# far) returns. That token and the observation's but the last go into the row's cache in one forward of the new
+# tokens only (the rows that end a turn at the same step together); the observation's last token is then the row's
+# newest, which the next decode step feeds like any other, sampling the row's own next token from it. The row goes
+# on with the others, ahead of them in its cache.
 
-def _read_queued(queued, t, live, tok, lp, observed):
-    """Step t's token of each live row with an observation queued: the observation's next token, log-prob 0."""
-    if not queued:  # most steps: no row is reading
-        return tok, lp
-    rows = [(j, row) for j, row in enumerate(live.tolist()) if row in queued]
-    j, row = (torch.tensor(x, device=tok.device) for x in zip(*rows))
-    tok, lp = tok.clone(), lp.clone()
-    tok[j] = torch.tensor([queued[r].pop(0) for _, r in rows], device=tok.device)
-    lp[j] = 0.0
-    observed[t, row] = True
-    for _, r in rows:
-        if not queued[r]:
-            del queued[r]
-    return tok, lp
-
-
-def _end_turns(turns, queued, t, live, tokens, observed, done, eos, last):
-    """The live rows whose own token at step t is an eos id end a turn: queue what turns(row, ids) returns, the
-    observation's token ids, or end the row's episode where it returns None."""
-    ends = (torch.isin(tokens[t, live], eos) & ~observed[t, live] & ~done).nonzero().squeeze(1).tolist()
+def _end_turns(turns, model, *, live, tok, lp, j, done, eos, kv, key_mask, lens, P, tokens, observed, last):
+    """Call turns for the live rows whose newest token ends a turn and read in what it returns (an observation
+    that runs past the last step is cut there and its row ends). Returns tok, lp and done, updated, and the largest
+    j of a row that read one (0 if none); j, tokens, observed and last change in place."""
+    M = tokens.size(0) - 1
+    ends = (torch.isin(tok, eos) & ~done & ~observed[j, live]).nonzero().squeeze(1).tolist()  # the row's own eos
     if not ends:
-        return done
-    done = done.clone()
-    for j in ends:
-        row = int(live[j])
-        observation = turns(row, tokens[:t + 1, row].tolist())
+        return tok, lp, done, 0
+    reading, done, tok, lp = {}, done.clone(), tok.clone(), lp.clone()
+    for b in ends:
+        row, n = int(live[b]), int(j[b])
+        observation = turns(row, tokens[:n + 1, row].tolist())
         if observation is None:
-            done[j], last[row] = True, t
-        elif observation:
-            queued[row] = list(observation)
-    return done
+            done[b], last[row] = True, n
+            continue
+        if n + len(observation) >= M - 1:  # no room left for the row's own tokens: cut, and the row ends
+            observation, done[b] = observation[:M - 1 - n], True
+        tokens[n + 1:n + 1 + len(observation), row] = torch.tensor(observation, dtype=tokens.dtype)
+        observed[n + 1:n + 1 + len(observation), row] = True
+        if observation and not done[b]:  # the turn's last token and the observation's but the last, from P + n
+            reading[b] = (P + n, [int(tok[b])] + list(observation[:-1]))
+            tok[b], lp[b], j[b] = observation[-1], 0.0, n + len(observation)
+    if not reading:
+        return tok, lp, done, 0
+    b = torch.tensor(list(reading), device=tok.device)
+    cols, chunks = zip(*reading.values())
+    _read(model, list(chunks), rows=b, kv=kv, key_mask=key_mask, col=torch.tensor(cols, device=tok.device),
+          lens=lens[b], P=P)
+    return tok, lp, done, int(j[b].max())
+
+
+def _read(model, chunks, *, rows, kv, key_mask, col, lens, P):
+    """One forward of the new tokens of rows (r,) of the cache (chunks: r token lists, from cache column col (r,)
+    on), for their keys and values only: into those rows' cache."""
+    r, T, dev = len(chunks), max(map(len, chunks)), rows.device
+    idx = torch.tensor([c + c[-1:] * (T - len(c)) for c in chunks], device=dev)  # (r, T): padding after the end
+    at = col[:, None] + torch.arange(T, device=dev)  # (r, T) the columns written; the padding's, past the end
+    sub = [tuple(torch.cat((x[rows], x.new_zeros(r, x.size(1), T, x.size(3))), 2) for x in layer)
+           for layer in kv]  # the rows' caches, copied, with room for the padding
+    S = sub[0][0].size(2)
+    mask = torch.cat((key_mask[rows], key_mask.new_zeros(r, T)), 1)[:, None, :] & \
+        (torch.arange(S, device=dev) <= at[:, :, None])  # (r, T, S) causal, within each row
+    pos = (lens[:, None] + at - P).clamp(max=model.config.block_size - 1)  # the padding's may run past the end
+    model.hidden(idx, pos=pos, kv=sub, col=col, key_mask=mask[:, None])
+    i, t = torch.tensor([(i, t) for i, c in enumerate(chunks) for t in range(len(c))], device=dev).t()  # not padding
+    for layer, copied in zip(kv, sub):  # the new columns back into the cache
+        for x, y in zip(layer, copied):
+            x[rows[i], :, at[i, t]] = y[i, :, at[i, t]]

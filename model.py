@@ -92,15 +92,19 @@ class CausalSelfAttention(nn.Module):
         if kv is not None and key_mask is None:  # prefill of one prompt (B=1): broadcast into its sample rows
             kv[0][:, :, col:col + T] = k
             kv[1][:, :, col:col + T] = v
-        elif kv is not None:  # decoding one token: col is a tensor, so every step runs the same shapes
-            # in the cache's dtype: under autocast rotary keeps q and k in float32 (cos and sin are), as HF's does
-            kv[0].index_copy_(2, col, k.to(kv[0].dtype))
-            kv[1].index_copy_(2, col, v.to(kv[1].dtype))
-            # key_mask hides the padding and the columns not written yet. The nh // nkv query heads that share a kv
-            # head are that head's queries (h uses kv head h // (nh // nkv)), so the cache is read, never repeated
-            y = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv * T, hs).to(kv[0].dtype), *kv,
-                                               attn_mask=key_mask)
-            return self.resid_dropout(self.c_proj(y.reshape(B, nh * hs)[:, None]))
+        elif kv is not None:  # decoding: each row's T tokens go into its cache from column col[row] (a tensor, so
+            # every step runs the same shapes) on; in the cache's dtype: under autocast rotary keeps q and k in float32
+            at = col[:, None] + torch.arange(T, device=col.device)  # (B or 1, T) the columns written
+            rows = torch.arange(B, device=col.device)[:, None]
+            kv[0][rows, :, at] = k.transpose(1, 2).to(kv[0].dtype)  # (B, T, nkv, hs)
+            kv[1][rows, :, at] = v.transpose(1, 2).to(kv[1].dtype)
+            # key_mask (B, 1, T, S) hides the padding and what is not written yet. The g = nh // nkv query heads that
+            # share a kv head are that head's queries (h uses kv head h // g), so the cache is read, never repeated
+            g = nh // nkv
+            mask = key_mask.repeat(1, 1, g, 1) if T > 1 and g > 1 else key_mask  # (B, 1, g * T, S)
+            y = F.scaled_dot_product_attention(q.reshape(B, nkv, g * T, hs).to(kv[0].dtype), *kv, attn_mask=mask)
+            y = y.view(B, nkv, g, T, hs).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hs)  # heads side by side
+            return self.resid_dropout(self.c_proj(y))
         # key_mask here: packed rows (B, 1, T, T), each token sees the earlier tokens of its own row and prompt
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, is_causal=key_mask is None,
                                            enable_gqa=nkv != nh, dropout_p=self.dropout if self.training else 0.0)
@@ -337,18 +341,18 @@ class GPT(nn.Module):
         observation's tokens are in tokens, with mask False and logprobs 0: context, not the policy's actions.
 
         The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its samples,
-        right-aligned so that every row then decodes at the same cache column (a per-row key mask hides the left
-        padding), in a static cache the model keeps across calls."""
+        right-aligned so that the rows decode level (a per-row key mask hides the left padding), in a static cache
+        the model keeps across calls; an observation is read into its row's cache in one forward of its tokens."""
         return engine.generate(self, prompts, max_new_tokens, num_samples=num_samples, temperature=temperature,
                                top_k=top_k, top_p=top_p, eos_id=eos_id, generator=generator, turns=turns)
 
     def decode(self, tok, pos, kv, col, key_mask, u, temperature, top_k, top_p):
-        """One step of generate: feed tok (n,) at positions pos (n,), its keys and values going into cache column col
-        (a one-element tensor: every row's newest token sits in the same column), and sample the next tokens and
-        their log-probs (n,), (n,) with the uniforms u (n, 2). The shapes are the same from step to step (attention
-        covers the S cache columns given; key_mask (n, S) and col hide the padding and what is not written yet),
-        so torch.compile turns the step, sampling included, into one graph: train.py's compile does."""
-        mask = key_mask & (torch.arange(key_mask.size(1), device=col.device) <= col)  # (n, S)
+        """One step of generate: feed tok (n,) at positions pos (n,), their keys and values going into cache
+        columns col (n,), and sample the next tokens and their log-probs (n,), (n,) with the uniforms u (n, 2). The
+        shapes are the same from step to step (attention covers the S cache columns given; key_mask (n, S) and col
+        hide the padding and what is not written yet), so torch.compile turns the step, sampling included, into one
+        graph: train.py's compile does."""
+        mask = key_mask & (torch.arange(key_mask.size(1), device=col.device) <= col[:, None])  # (n, S)
         h = self.hidden(tok[:, None], pos=pos[:, None], kv=kv, col=col, key_mask=mask[:, None, None])  # (n, 1, C)
         return sample(self.lm_head(h[:, -1]), temperature, top_k, top_p, u)
 

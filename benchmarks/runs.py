@@ -71,36 +71,42 @@ def bench_iteration(args, model, results):
 
 def bench_multiturn(args, model, results):
     """Multi-turn sampling against single-turn: --prompts x --G rows of this GPT-2 shape edited to end a turn every
-    --new_tokens/4 steps or so (end_geometrically); the first 3 ends of a row get an 8-token observation, read in
-    through the decode steps (engine.py), the 4th ends the row. Against generate with no turns and as many policy
-    tokens a row (the multi-turn rows' mean), and with 1 ms of tool latency a call (a sleep) on top."""
+    --new_tokens/4 steps or so (end_geometrically); the first 3 ends of a row get an observation of 8 tokens (a
+    calculator's answer), then of 24 (a tool turn in a chat template), each read into the row's cache in one forward
+    (engine.py); the 4th ends the row. Against generate with no turns and as many policy tokens a row (the
+    multi-turn rows' mean), and with 8-token observations and 1 ms of tool latency a call (a sleep) on top."""
     if model.config.model_type != "gpt2" or not model.config.bias:
         return  # end_geometrically needs the final norm's bias
     model, eos = build_model(args), 1  # a copy: the other sections keep theirs
     end_geometrically(model, eos, args.new_tokens / 4)
     prompts, calls = make_prompts(args), {}
 
-    def turns(row, ids, latency=0.0):
+    def turns(row, ids, length, latency=0.0):
         calls[row] = calls.get(row, 0) + 1
         time.sleep(latency)
-        return [7] * 8 if calls[row] <= 3 else None
+        return [7] * length if calls[row] <= 3 else None
 
     def run(max_new_tokens, **kw):
         calls.clear()
         g = [torch.Generator(args.device).manual_seed(i) for i in range(len(prompts))]
         with autocast(args):
             return model.generate(prompts, max_new_tokens, num_samples=args.G, generator=g, **kw)
-    _, mask, _ = run(args.new_tokens, eos_id=eos, turns=turns)
-    policy, read = int(mask.sum()) // mask.shape[0], 8 * sum(min(c, 3) for c in calls.values()) / mask.shape[0]
-    multi = timed(lambda: run(args.new_tokens, eos_id=eos, turns=turns), args.device, args.repeat)
-    waiting = timed(lambda: run(args.new_tokens, eos_id=eos, turns=functools.partial(turns, latency=1e-3)),
-                    args.device, args.repeat)
-    single = timed(lambda: run(policy), args.device, args.repeat)
-    # overhead: against as many policy tokens; per token: against as many tokens sampled or read in
-    results["multiturn"] = dict(policy_tokens_per_row=policy, observation_tokens_per_row=read, multi_turn_s=multi,
-                                single_turn_s=single, overhead=multi / single - 1,
-                                overhead_per_token=multi / (policy + read) / (single / policy) - 1,
-                                with_1ms_tool_s=waiting, overhead_with_tool=waiting / single - 1)
+    r = results["multiturn"] = {}
+    for length in (8, 24):
+        _, mask, _ = run(args.new_tokens, eos_id=eos, turns=functools.partial(turns, length=length))
+        policy, read = int(mask.sum()) // mask.shape[0], length * sum(min(c, 3) for c in calls.values()) / len(mask)
+        multi = timed(lambda: run(args.new_tokens, eos_id=eos, turns=functools.partial(turns, length=length)),
+                      args.device, args.repeat)
+        single = timed(lambda: run(policy), args.device, args.repeat)
+        # overhead: against as many policy tokens; per token: against as many tokens sampled or read in
+        r.update({f"obs{length}_policy_tokens_per_row": policy, f"obs{length}_observation_tokens_per_row": read,
+                  f"obs{length}_multi_turn_s": multi, f"obs{length}_single_turn_s": single,
+                  f"obs{length}_overhead": multi / single - 1,
+                  f"obs{length}_overhead_per_token": multi / (policy + read) / (single / policy) - 1})
+        if length == 8:
+            slow = functools.partial(turns, length=8, latency=1e-3)
+            waiting = timed(lambda: run(args.new_tokens, eos_id=eos, turns=slow), args.device, args.repeat)
+            r.update(obs8_with_1ms_tool_s=waiting, obs8_overhead_with_tool=waiting / single - 1)
 
 def synthetic_tokenizer(path, n_vocab, seed=0):
     """Write a byte-level BPE tokenizer.json in the Qwen2.5 layout (its pre-tokenizer, NFC, ignore_merges false,

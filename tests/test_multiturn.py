@@ -221,3 +221,21 @@ def test_an_observation_past_the_token_limit_is_cut_and_the_row_truncated(tiny64
         assert tokens[row, first:].tolist() == list(range(40, 40 + 30 - first))[:tokens.size(1) - first]
         assert not mask[row, first:].any()
     assert ended
+
+
+def test_an_observation_is_read_in_one_forward_not_a_step_a_token(tiny64, monkeypatch):
+    """A row that reads a 25-token observation goes on at once, 25 cache columns ahead of a row that reads none
+    (the decode steps feed each row at its own column), and the policy's log-probs after it are still the
+    trainer's."""
+    cols, decode = [], tiny64.decode
+    monkeypatch.setattr(tiny64, 'decode', lambda **kw: cols.append(kw['col'].tolist()) or decode(**kw))
+    calls = {}
+
+    def turns(row, ids):
+        calls[row] = calls.get(row, 0) + 1
+        return list(range(60, 85)) if calls[row] == 1 else None
+    tokens, mask, logps = generate(tiny64, turns, new=60)
+    assert calls and max(max(c) - min(c) for c in cols) >= 25
+    rows = [p for p in PROMPTS for _ in range(3)]
+    ref = trajectory_logprobs(tiny64, rows, tokens, 0.9)
+    torch.testing.assert_close(logps[mask].double(), ref[mask].double(), atol=1e-6, rtol=0)
