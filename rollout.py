@@ -81,15 +81,21 @@ def episodes(env, rows, G, cfg, enc):
 
     def turns(i, ids):
         seen = record[i]['observations']
-        ids = ids[:-1] if ids[-1] in cfg.eos_ids else ids  # the end of turn left out, a stop token kept
-        text = enc.decode([x for x in ids if x < enc.n_vocab])
-        observation = env.step(rows[i // G], text) if len(seen) + 1 < cfg.max_turns else None
+        observation = env.step(rows[i // G], text_of(ids, cfg, enc)) if len(seen) + 1 < cfg.max_turns else None
         if observation is None:
             record[i]['finished'] = True
             return None
         seen.append(observation)
         return encode_observation(observation, cfg, enc)
     return turns, record
+
+
+def text_of(ids, cfg, enc):
+    """The text of a trajectory's tokens, as the environment and the reward functions read it: its final eos left out
+    (a stop token kept, and the eos ids inside it, such as the end of a chat turn), and ids past the tokenizer's
+    vocabulary, which a padded output layer can sample."""
+    ids = ids[:-1] if ids and ids[-1] in cfg.eos_ids else ids
+    return enc.decode([x for x in ids if x < enc.n_vocab])
 
 
 def encode_observation(text, cfg, enc):
@@ -129,8 +135,7 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
     G = num_samples or cfg.num_generations
     rows_ids = tokens.tolist()
     ids = [t[:n] for t, n in zip(rows_ids, last_counted(mask).tolist())]
-    # the text leaves out the eos, and ids past the tokenizer's vocabulary that a padded output layer can sample
-    completions = [enc.decode([x for x in c if x < enc.n_vocab and x not in cfg.eos_ids]) for c in ids]
+    completions = [text_of(c, cfg, enc) for c in ids]
     truncated = [not e['finished'] for e in record] if record else \
         [len(c) == cfg.max_completion_length and c[-1] not in cfg.eos_ids for c in ids]
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != 'prompt'}

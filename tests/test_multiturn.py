@@ -155,7 +155,8 @@ def test_the_loss_counts_the_policys_tokens_only(loss_type, level):
 
 def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
     """rollout.episodes: the environment is asked after each turn until max_turns turns, the last turn's end ends the
-    episode; score's completion_ids (what DAPO's overlong punishment counts) leave the observations out."""
+    episode; score's completion_ids (what DAPO's overlong punishment counts) leave the observations out, and its
+    text is the one the environment reads: only the final eos left out, a turn's end inside kept."""
     from types import SimpleNamespace
     from rollout import episodes, score
     from tokenizer import get_tokenizer
@@ -178,8 +179,8 @@ def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
     spy.__name__ = 'spy'
     _, truncated, _, _ = score([{'prompt': 'p', 'answer': 'a'}], tokens, mask, cfg, enc, [spy], [1.0],
                                record=record)
-    assert got == dict(text=['ab[ok]c'], ids=[enc.encode_ordinary('ab') + [enc.eot_token, ord('c'), enc.eot_token]],
-                       observations=[['[ok]']])
+    assert got == dict(text=['ab' + enc.decode([enc.eot_token]) + '[ok]c'], observations=[['[ok]']],
+                       ids=[enc.encode_ordinary('ab') + [enc.eot_token, ord('c'), enc.eot_token]])  # the turn's end kept
     assert not truncated.any()
 
 
