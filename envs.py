@@ -6,13 +6,16 @@ the policy observes next, or that the episode is over. An environment is any obj
                                      the policy's turns and the observations between them. Returns the text to
                                      append (rendered by the chat template where it is a tool or user turn), or
                                      None: the episode is over.
-    stop                             optional: strings that end a turn besides the end of turn, one token each.
+    stop                             optional: strings that end a turn besides the end of turn: where the
+                                     policy's text comes to end with one (of one token or several).
 
 Write one in your own file and name it as a reward function is named: --env=myenvs:maze (an object, or a class,
 which is then instantiated). The observation's tokens are context, never actions: engine.py reads them into the
 KV cache after the policy's, and the loss masks them. Rewards still come from reward functions, which see each
 row's observations as a column.
 """
+import functools
+
 import tools
 from chat import render_tool_turn
 from configurator import ConfigError, import_named
@@ -48,7 +51,7 @@ ENVS = {'calculator': Calculator, 'qwen_tools': QwenTools}
 
 def get_env(name, enc):
     """The environment called `name`: a key of ENVS, or 'module:attribute' for one of your own, imported from the
-    Python path; a class is instantiated. Its stop strings must be single tokens of enc."""
+    Python path; a class is instantiated."""
     if ':' in name:
         env = import_named(name, 'environment')
     elif name in ENVS:
@@ -59,10 +62,30 @@ def get_env(name, enc):
     if not callable(getattr(env, 'step', None)):
         raise ConfigError(f"environment {name!r} has no step(row, text) method; give it one that returns the text "
                           f"the policy observes next, or None to end the episode")
+    stop = getattr(env, 'stop', ())
+    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        raise ConfigError(f"environment {name!r} has stop={stop!r}; make it a tuple of non-empty strings, e.g. "
+                          f"('</calc>',)")
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def stop_ids(env, enc):
+    """The ids the sampler stops a row at for env's stop strings (rollout.episodes then asks whether the text ends
+    with one): a stop that is one token, that token; a longer one, every ordinary token whose bytes end with its
+    last byte."""
+    ids, special = set(), {enc.encode_single_token(t) for t in enc.special_tokens_set}
     for s in getattr(env, 'stop', ()):
         try:
-            enc.encode_single_token(s)
+            ids.add(enc.encode_single_token(s))
         except KeyError:
-            raise ConfigError(f"environment {name!r} stops a turn at {s!r}, which is not one token of tokenizer "
-                              f"{enc.name!r}; a stop string must be a single token") from None
-    return env
+            last = s.encode()[-1:]
+            ids.update(i for i in range(enc.n_vocab) if i not in special and _token_bytes(enc, i).endswith(last))
+    return sorted(ids)
+
+
+def _token_bytes(enc, i):
+    try:
+        return enc.decode_single_token_bytes(i)
+    except KeyError:  # an id the vocabulary skips
+        return b''

@@ -29,6 +29,7 @@ from measure import lap
 from parallelism import gather, gathered
 from reward import compute_rewards
 from chat import encode_prompt
+from envs import stop_ids
 
 
 def prompt_seed(*key):
@@ -78,10 +79,13 @@ def episodes(env, rows, G, cfg, enc):
     policy ends, env.step(row, text) gives the observation to append (text is the trajectory so far: the policy's
     turns and the observations between them) or None, the end of the episode, as is reaching max_turns turns."""
     record = [dict(observations=[], finished=False) for _ in range(len(rows) * G)]
+    stops = tuple(getattr(env, 'stop', ()))
 
     def turns(i, ids):
-        seen = record[i]['observations']
-        observation = env.step(rows[i // G], text_of(ids, cfg, enc)) if len(seen) + 1 < cfg.max_turns else None
+        seen, text = record[i]['observations'], text_of(ids, cfg, enc)
+        if ids[-1] not in cfg.eos_ids and not text.endswith(stops):
+            return []  # a token a stop string of several ends with, but not the end of one: the turn goes on
+        observation = env.step(rows[i // G], text) if len(seen) + 1 < cfg.max_turns else None
         if observation is None:
             record[i]['finished'] = True
             return None
@@ -116,9 +120,9 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     # autocast: the merged weight, rounded to bf16, would lose most of a small update
     merge = merged(model) if has_adapters(model) and not cfg.autocast else nullcontext()
     turns, record, ends = None, None, cfg.eos_ids
-    if cfg.environment is not None:  # a turn also ends at the environment's own stop tokens
+    if cfg.environment is not None:  # a turn also ends at the environment's own stop strings
         turns, record = episodes(cfg.environment, rows, G, cfg, enc)
-        ends = cfg.eos_ids + [enc.encode_single_token(s) for s in getattr(cfg.environment, 'stop', ())]
+        ends = cfg.eos_ids + stop_ids(cfg.environment, enc)
     with merge, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
         tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
                                              top_p=cfg.top_p, eos_id=ends, generator=gens, turns=turns)

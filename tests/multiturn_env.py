@@ -10,5 +10,9 @@ class Echo:
         return f"[{len(text)}{text[-1:]}]" if text else "[]"
 
 
-class TwoTokenStop(Echo):
-    stop = ('</calc>',)  # five bytes: refused (a stop must be one token)
+class CalcTags(Echo):
+    stop = ('</calc>',)  # seven bytes: a turn ends where the text comes to end with them
+
+
+class BareStop(Echo):
+    stop = '</calc>'  # a string, not a tuple of them: refused

@@ -205,8 +205,30 @@ def test_bad_environments_are_one_line_errors():
         get_env('maze', enc)
     with pytest.raises(ConfigError, match="environment 'nosuchmodule:Maze' cannot be imported"):
         get_env('nosuchmodule:Maze', enc)
-    with pytest.raises(ConfigError, match="stops a turn at '</calc>', which is not one token"):
-        get_env('multiturn_env:TwoTokenStop', enc)
+    with pytest.raises(ConfigError, match="has stop='</calc>'; make it a tuple of non-empty strings"):
+        get_env('multiturn_env:BareStop', enc)
+
+
+def test_a_stop_string_of_several_tokens_ends_a_turn_where_the_text_ends_with_it():
+    """The sampler stops a row at every token a stop string can end with; rollout.episodes goes on (an empty
+    observation) unless the text then ends with the stop string."""
+    from types import SimpleNamespace
+    from envs import get_env, stop_ids
+    from rollout import episodes
+    from tokenizer import get_tokenizer
+    enc = get_tokenizer('bytes')
+    env = get_env('multiturn_env:CalcTags', enc)
+    assert stop_ids(env, enc) == [enc.encode_single_token('>')]
+    bpe = get_tokenizer(os.path.join(os.path.dirname(__file__), 'fixtures', 'smollm2', 'tokenizer.json'))
+    ids = stop_ids(env, bpe)  # SmolLM2's 49,152 tokens
+    assert bpe.encode_single_token('>') in ids and len(ids) > 10
+    assert all(bpe.decode_single_token_bytes(i).endswith(b'>') for i in ids)
+    assert not {bpe.encode_single_token(t) for t in bpe.special_tokens_set} & set(ids)
+    cfg = SimpleNamespace(max_turns=4, chat_template='none', eos_ids=[enc.eot_token])
+    turns, record = episodes(env, [{'prompt': 'p'}], 1, cfg, enc)
+    assert turns(0, enc.encode_ordinary('2 <b> 3')) == []  # a '>', not the end of '</calc>'
+    assert turns(0, enc.encode_ordinary('<calc>2*3</calc>')) == enc.encode_ordinary('[16>]')
+    assert record[0]['observations'] == ['[16>]']
 
 
 def test_an_observation_past_the_token_limit_is_cut_and_the_row_truncated(tiny64):
