@@ -114,9 +114,9 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
                                               kv=kv, key_mask=key_mask, lens=lens, P=P, tokens=tokens,
                                               observed=observed, last=last)
             top = max(top, ahead)
+            done = done | (j == M - 1)  # a row that read an observation can reach the last step before the others
         elif eos is not None:
             done = done | torch.isin(tok, eos)
-        done = done | (j == M - 1)
         if t == M - 1:
             break
         if t % check_every == check_every - 1:

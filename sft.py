@@ -67,7 +67,8 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
     dtype, device = p.dtype, p.device
     if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
         parallelism.load_whole(raw_model, lambda: GPT.from_pretrained(path, dtype=dtype).state_dict())
-        return _said('loaded', began, rank)
+        _said('loaded', began, rank)
+        return
     ranks, eos = cfg.world_size, cfg.eos_ids[0]
     tick = ticker('warm start', cfg.sft_iters, 'steps', cfg.progress_interval if rank == 0 else math.inf)
     probe = rows[rank:256:ranks]  # the same prompts at every check
@@ -100,7 +101,7 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
     if rank == 0:
         raw_model.save_pretrained(path, state_dict=weights)
         checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
-    return _said(f'trained {steps} iters', began, rank)
+    _said(f'trained {steps} iters', began, rank)
 
 
 def _said(how, began, rank):

@@ -24,7 +24,7 @@ import lora
 import parallelism
 import sft
 from chat import stop_ids
-from configurator import ConfigError, check_config, check_device, configure, need_package, one_line_errors
+from configurator import check_config, check_device, configure, need_package, one_line_errors
 from data import load_task
 from envs import get_env
 from evaluate import evaluate, report
