@@ -113,7 +113,7 @@ def check_config(c, world_size, distributed=False):
         if not ok:
             raise ConfigError(msg)
     choices = dict(lr_schedule=('constant', 'cosine'), dtype=('auto', 'float32', 'float64', 'bfloat16', 'float16'),
-                   parallel=('ddp', 'fsdp'))
+                   parallel=('ddp', 'fsdp'), sandbox=('bwrap', 'none'))
     for key, valid in choices.items():
         need(c[key] in valid, f"unknown {key} '{c[key]}'; choose one of {', '.join(valid)}")
     # counts and rates that have a range; each message names its key and value
@@ -121,7 +121,7 @@ def check_config(c, world_size, distributed=False):
                     num_iterations=1, max_completion_length=1, max_iters=0, eval_interval=0, eval_size=1,
                     save_interval=0, sft_batch_size=1, max_resample_rounds=0, warmup_iters=0, ref_sync_every=0,
                     max_bad_steps=1, n_layer=1, n_head=1, n_embd=1, block_size=2, vocab_size=0, grad_clip=0,
-                    weight_decay=0, peak_flops=0, lora_rank=0)
+                    weight_decay=0, peak_flops=0, lora_rank=0, tool_workers=1)
     why = dict(num_generations="; GRPO learns from differences between the completions of one prompt",
                eval_size="; eval_interval=0 turns evaluation off")
     for key, low in at_least.items():

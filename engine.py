@@ -10,7 +10,10 @@ model.decode_graphs (train.py's cuda_graphs) the steps are replayed as CUDA grap
 cache is kept across calls, grown to the largest batch and sequence seen, since a graph reads the addresses it was
 captured with.
 """
+import functools
 import weakref
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 
 import torch
 
@@ -22,7 +25,7 @@ _CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the modu
 
 @torch.inference_mode()
 def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None, eos_id=None,
-             generator=None, turns=None):
+             generator=None, turns=None, turn_workers=1):
     """GPT.generate's body: see its docstring."""
     lengths = [len(p) for p in prompts]
     for i, n in enumerate(lengths):
@@ -38,8 +41,9 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     was_training = model.training
     model.eval()
     try:
-        return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator,
-                         turns)
+        with ThreadPoolExecutor(turn_workers) if turns is not None and turn_workers > 1 else nullcontext() as pool:
+            return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator,
+                             turns and functools.partial(_observe, turns, pool))
     finally:
         model.train(was_training)
         if not model.decode_graphs:  # only the graphs need the cache where it was
@@ -168,9 +172,10 @@ def _end_turns(turns, model, *, live, tok, lp, j, done, eos, kv, key_mask, lens,
     if not ends:
         return tok, lp, done, 0
     reading, done, tok, lp = {}, done.clone(), tok.clone(), lp.clone()
-    for b in ends:
-        row, n = int(live[b]), int(j[b])
-        observation = turns(row, tokens[:n + 1, row].tolist())
+    rows = [int(live[b]) for b in ends]
+    observations = turns(rows, [tokens[:int(j[b]) + 1, row].tolist() for b, row in zip(ends, rows)])
+    for b, row, observation in zip(ends, rows, observations):
+        n = int(j[b])
         if observation is None:
             done[b], last[row] = True, n
             continue
@@ -188,6 +193,12 @@ def _end_turns(turns, model, *, live, tok, lp, j, done, eos, kv, key_mask, lens,
     _read(model, list(chunks), rows=b, kv=kv, key_mask=key_mask, col=torch.tensor(cols, device=tok.device),
           lens=lens[b], P=P)
     return tok, lp, done, int(j[b].max())
+
+
+def _observe(turns, pool, rows, ids):
+    """turns(row, ids) of each row that ends a turn at this step, from the pool's threads where there is one (a
+    tool that runs a program waits in a subprocess, not holding the GIL), the observations in the rows' order."""
+    return list((pool.map if pool else map)(turns, rows, ids))
 
 
 def _read(model, chunks, *, rows, kv, key_mask, col, lens, P):

@@ -10,7 +10,9 @@ the policy observes next, or that the episode is over. An environment is any obj
                                      policy's text comes to end with one (of one token or several).
 
 Write one in your own file and name it as a reward function is named: --env=myenvs:maze (an object, or a class,
-which is then instantiated). The observation's tokens are context, never actions: engine.py reads them into the
+which is then instantiated). step must depend on its arguments alone: the calls of rows that end a turn together
+run in threads (train.py's tool_workers), and a resumed run must see what the first one saw. One that runs the
+policy's code calls tools.python(code, sandbox=...) after check_sandbox(sandbox) at its start. The observation's tokens are context, never actions: engine.py reads them into the
 KV cache after the policy's, and the loss masks them. Rewards still come from reward functions, which see each
 row's observations as a column.
 """
@@ -36,9 +38,12 @@ class QwenTools:
     """Qwen's tool calls: an assistant turn that ends with <tool_call>{"name": ..., "arguments": {...}}</tool_call>
     gets the tool's result in a tool turn, as Qwen2.5's template renders one (chat.render_tool_turn); a malformed
     call gets an observation that says what is wrong with it. Give the tools' descriptions to the model in its
-    system message: config/tools.py renders them with render_chat(..., tools=...)."""
-    def __init__(self, available=tools.TOOLS):
-        self.tools = available
+    system message: render_chat(..., tools=[d for _, d in env.tools.values()]). The python tool runs in the
+    sandbox named (tools.SANDBOXES), checked here: a policy that cannot be isolated stops the run before it starts."""
+    def __init__(self, available=None, sandbox='bwrap'):
+        self.tools = available or tools.tool_set(sandbox)
+        if 'python' in self.tools:
+            check_sandbox(sandbox)
 
     def step(self, row, text):
         if not text.rstrip().endswith('</tool_call>'):
@@ -49,16 +54,30 @@ class QwenTools:
 ENVS = {'calculator': Calculator, 'qwen_tools': QwenTools}
 
 
-def get_env(name, enc):
+def check_sandbox(sandbox):
+    """Before any rollout: a ConfigError unless tools.python can isolate the policy's programs as `sandbox` says
+    ('none' runs them unisolated, with a warning)."""
+    if sandbox not in tools.SANDBOXES:
+        raise ConfigError(f"unknown sandbox {sandbox!r}; choose one of {', '.join(tools.SANDBOXES)}")
+    if sandbox == 'none':
+        print("warning: sandbox='none': the python tool runs the policy's programs unisolated, as this user, with "
+              "its files, network and processes; use it only for programs you would run yourself")
+    elif problem := tools.sandbox_problem():
+        raise ConfigError(f"the python tool cannot isolate the policy's programs here: {problem}; or set "
+                          f"sandbox='none' to run them unisolated")
+
+
+def get_env(name, sandbox='bwrap'):
     """The environment called `name`: a key of ENVS, or 'module:attribute' for one of your own, imported from the
-    Python path; a class is instantiated."""
+    Python path; a class is instantiated (QwenTools and its subclasses with the sandbox its python tool runs in)."""
     if ':' in name:
         env = import_named(name, 'environment')
     elif name in ENVS:
         env = ENVS[name]
     else:
         raise ConfigError(f"unknown environment {name!r}; use one of {', '.join(ENVS)} or 'module:attribute'")
-    env = env() if isinstance(env, type) else env
+    if isinstance(env, type):
+        env = env(sandbox=sandbox) if issubclass(env, QwenTools) else env()
     if not callable(getattr(env, 'step', None)):
         raise ConfigError(f"environment {name!r} has no step(row, text) method; give it one that returns the text "
                           f"the policy observes next, or None to end the episode")

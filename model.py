@@ -326,7 +326,7 @@ class GPT(nn.Module):
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.lm_head.weight.dtype
 
     def generate(self, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None,
-                 eos_id=None, generator=None, turns=None):
+                 eos_id=None, generator=None, turns=None, turn_workers=1):
         """Sample num_samples completions for each prompt (a list of token-id lists of any lengths).
         Returns (tokens, mask, logprobs), each (N, L) with N = len(prompts) * num_samples rows in prompt-major order
         and L <= max_new_tokens the steps taken. eos_id: one id or several (Qwen's instruct models stop on <|im_end|>
@@ -338,13 +338,16 @@ class GPT(nn.Module):
         whose draws then depend on nothing else: a prompt gets the same samples alone or in any batch.
         turns (multi-turn): called as turns(row, ids) when a row samples an eos id, with the row's tokens so far;
         it returns the token ids of an observation to append (the row then goes on) or None (the row ends). The
-        observation's tokens are in tokens, with mask False and logprobs 0: context, not the policy's actions.
+        observation's tokens are in tokens, with mask False and logprobs 0: context, not the policy's actions. The
+        calls of one step run in turn_workers threads (the observations in row order), for a turns that depends on
+        its arguments alone.
 
         The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its samples,
         right-aligned so that the rows decode level (a per-row key mask hides the left padding), in a static cache
         the model keeps across calls; an observation is read into its row's cache in one forward of its tokens."""
         return engine.generate(self, prompts, max_new_tokens, num_samples=num_samples, temperature=temperature,
-                               top_k=top_k, top_p=top_p, eos_id=eos_id, generator=generator, turns=turns)
+                               top_k=top_k, top_p=top_p, eos_id=eos_id, generator=generator, turns=turns,
+                               turn_workers=turn_workers)
 
     def decode(self, tok, pos, kv, col, key_mask, u, temperature, top_k, top_p):
         """One step of generate: feed tok (n,) at positions pos (n,), their keys and values going into cache

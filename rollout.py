@@ -103,7 +103,9 @@ def text_of(ids, cfg, enc):
 
 
 def encode_observation(text, cfg, enc):
-    """An observation's token ids: under a chat template its turn's special tokens are theirs."""
+    """An observation's token ids: under a chat template its turn's special tokens are theirs. A lone surrogate (a
+    tool can echo one from the model's JSON) becomes '?': the tokenizer takes UTF-8 only."""
+    text = text.encode('utf-8', errors='replace').decode('utf-8')
     return enc.encode_ordinary(text) if cfg.chat_template == 'none' else enc.encode(text, allowed_special='all')
 
 
@@ -125,7 +127,8 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
         ends = cfg.eos_ids + stop_ids(cfg.environment, enc)
     with merge, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
         tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
-                                             top_p=cfg.top_p, eos_id=ends, generator=gens, turns=turns)
+                                             top_p=cfg.top_p, eos_id=ends, generator=gens, turns=turns,
+                                             turn_workers=cfg.tool_workers)
     pad = C - tokens.shape[1]  # generate stops early when every row is done; the loss wants a fixed width C
     tokens = torch.nn.functional.pad(tokens, (0, pad), value=cfg.eos_ids[0])
     mask = torch.nn.functional.pad(mask, (0, pad), value=False)

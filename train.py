@@ -78,6 +78,8 @@ dynamic_sampling = False  # DAPO: resample prompts whose groups all got the same
 max_resample_rounds = 4
 env = ''  # multi-turn: an environment, envs.py's name or 'module:attribute'; '' = one turn, no environment
 max_turns = 4  # with env: the policy's turns per episode at most (max_completion_length bounds all the tokens)
+tool_workers = 4  # with env: threads running the env.step calls of rows that end a turn at the same step
+sandbox = 'bwrap'  # the python tool's: 'bwrap' (bubblewrap; refused at start where it cannot isolate) or 'none'
 # loss: each keyword of loss.grpo_loss (beta, epsilon_low/high, delta, surrogate, ...; TRL's names) is a config key
 # with its default there, written once; loss.py maps each to its paper. The default run's choices:
 loss_type = 'dr_grpo'  # token sum / (sequences x max_completion_length), where grpo_loss's own default is 'grpo'
@@ -113,7 +115,6 @@ gradient_checkpointing = False  # recompute each block and the output layer's lo
 seed = 1337
 peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at start
 
-
 sys.excepthook = one_line_errors  # bad input is one line, a bug keeps its traceback
 config = configure({**loss_settings(), **sft.SETTINGS, **lora.SETTINGS, **globals()}, sys.argv[1:])
 globals().update(config)
@@ -122,8 +123,7 @@ check_device(device)
 
 distributed, rank, world_size, device = parallelism.init(device)  # under torchrun: DDP or FSDP
 checkpoint.catch_stop_signals()  # SIGTERM or Ctrl-C: a checkpoint at the next iteration boundary
-device_type = 'cuda' if 'cuda' in device else 'cpu'
-master = rank == 0
+device_type, master = 'cuda' if 'cuda' in device else 'cpu', rank == 0
 sft_iters = config['sft_iters'] = sft.default_iters(init_from) if sft_iters is None else sft_iters
 check_config(config, world_size, distributed)
 check_settings(config)
@@ -143,7 +143,7 @@ loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL i
 enc = get_tokenizer(tokenizer)
 cfg.eos_ids = stop_ids(enc, chat_template, tokenizer)  # and the template's special tokens checked
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
-cfg.environment = get_env(env, enc) if env else None
+cfg.environment = get_env(env, sandbox) if env else None
 wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # optional: only when asked for
 train_rows, test_rows, reward_fns, reward_weights = load_task(cfg, enc)
 

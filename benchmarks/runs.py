@@ -7,10 +7,12 @@ import os
 import random
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 import lora
+import tools
 from measure import timed
 from tokenizer import _hf_bpe, bytes_to_unicode, get_tokenizer, load_hf_tokenizer
 from benchmarks.common import ROOT, autocast, build_model, grpo_batch, make_prompts, run_train
@@ -107,6 +109,21 @@ def bench_multiturn(args, model, results):
             slow = functools.partial(turns, length=8, latency=1e-3)
             waiting = timed(lambda: run(args.new_tokens, eos_id=eos, turns=slow), args.device, args.repeat)
             r.update(obs8_with_1ms_tool_s=waiting, obs8_overhead_with_tool=waiting / single - 1)
+    bench_python_tool(args, r)
+
+
+def bench_python_tool(args, r):
+    """The python tool's cost a call, in bubblewrap and unisolated, for a trivial program and a 100 ms one; then 16
+    calls of the 100 ms one as a step's rows would make them (engine._observe), one after another and from 4 threads."""
+    sandboxes = ("bwrap", "none") if tools.sandbox_problem() is None else ("none",)
+    for sandbox in sandboxes:
+        for name, code in (("trivial", "pass"), ("100ms", "import time; time.sleep(0.1)")):
+            r[f"python_{name}_{sandbox}_s"] = timed(lambda: tools.python(code, sandbox=sandbox), "cpu", args.repeat)
+    call = functools.partial(tools.python, "import time; time.sleep(0.1)", sandbox=sandboxes[0])
+    for workers in (1, 4):
+        with ThreadPoolExecutor(workers) as pool:
+            r[f"python_16_calls_{workers}_workers_s"] = timed(lambda: list(pool.map(lambda _: call(), range(16))),
+                                                             "cpu", args.repeat)
 
 def synthetic_tokenizer(path, n_vocab, seed=0):
     """Write a byte-level BPE tokenizer.json in the Qwen2.5 layout (its pre-tokenizer, NFC, ignore_merges false,

@@ -187,8 +187,7 @@ def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
 def test_qwen_tools_answers_a_call_in_a_tool_turn():
     from chat import render_tool_turn
     from envs import QwenTools, get_env
-    from tokenizer import get_tokenizer
-    env = get_env('qwen_tools', get_tokenizer('bytes'))
+    env = get_env('qwen_tools')
     assert isinstance(env, QwenTools)
     call = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "512*347"}}\n</tool_call>'
     assert env.step({}, call) == render_tool_turn(['177664'])
@@ -199,14 +198,12 @@ def test_qwen_tools_answers_a_call_in_a_tool_turn():
 def test_bad_environments_are_one_line_errors():
     from configurator import ConfigError
     from envs import get_env
-    from tokenizer import get_tokenizer
-    enc = get_tokenizer('bytes')
     with pytest.raises(ConfigError, match="unknown environment 'maze'; use one of calculator, qwen_tools"):
-        get_env('maze', enc)
+        get_env('maze')
     with pytest.raises(ConfigError, match="environment 'nosuchmodule:Maze' cannot be imported"):
-        get_env('nosuchmodule:Maze', enc)
+        get_env('nosuchmodule:Maze')
     with pytest.raises(ConfigError, match="has stop='</calc>'; make it a tuple of non-empty strings"):
-        get_env('multiturn_env:BareStop', enc)
+        get_env('multiturn_env:BareStop')
 
 
 def test_a_stop_string_of_several_tokens_ends_a_turn_where_the_text_ends_with_it():
@@ -217,7 +214,7 @@ def test_a_stop_string_of_several_tokens_ends_a_turn_where_the_text_ends_with_it
     from rollout import episodes
     from tokenizer import get_tokenizer
     enc = get_tokenizer('bytes')
-    env = get_env('multiturn_env:CalcTags', enc)
+    env = get_env('multiturn_env:CalcTags')
     assert stop_ids(env, enc) == [enc.encode_single_token('>')]
     bpe = get_tokenizer(os.path.join(os.path.dirname(__file__), 'fixtures', 'smollm2', 'tokenizer.json'))
     ids = stop_ids(env, bpe)  # SmolLM2's 49,152 tokens
