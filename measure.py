@@ -76,6 +76,12 @@ def matmul_peak(device, dtype=torch.float32, repeat=5):
     return 2 * n**3 / seconds, f"{n}x{n} {dtype}".replace('torch.', '')
 
 
+def mfu(flops, seconds, peak, world_size):
+    """Model FLOPs utilisation: the FLOPs of all ranks (summed) over what world_size devices of peak FLOP/s each
+    could do in those seconds, so that it reads the same at every world size (each rank's FLOPs over its own peak)."""
+    return flops / seconds / (peak * world_size)
+
+
 def fastest_dtype(device):
     """What train.py's dtype='auto' computes in: 'bfloat16' (autocast) on a GPU that has it, and on a CPU whose
     bf16 matmuls run at least twice as fast as its float32 ones (bf16 matrix units, e.g. Intel's AMX), else

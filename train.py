@@ -29,7 +29,7 @@ from data import load_task
 from envs import get_env
 from evaluate import evaluate, report
 from loss import check_settings, grpo_loss, settings as loss_settings
-from measure import fastest_dtype, iteration_line, matmul_peak, memory_mb, phase
+from measure import fastest_dtype, iteration_line, matmul_peak, memory_mb, mfu, phase
 from model import GPT, GPTConfig
 from parallelism import all_sum, full, gathered
 from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
@@ -284,7 +284,7 @@ def log_iteration(it, info, stats, clock, mem_mb):
     info['time']: the seconds per phase of both. clock: the iteration's start, the update's start, its end."""
     update = clock[2] - clock[1]
     m = dict(iter=it, **rollout_metrics(info, num_generations, reward_fns, device),
-             train_tok_s=stats.pop('train_tokens') / update, mfu=stats.pop('flops') / update / peak,
+             train_tok_s=stats.pop('train_tokens') / update, mfu=mfu(stats.pop('flops'), update, peak, world_size),
              dt=clock[2] - clock[0], mem_mb=mem_mb, **parallelism.resident_mb(raw_model, optimizer, ref_model),
              **stats, **{f'time/{k}': v for k, v in info['time'].items()})
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included

@@ -278,3 +278,13 @@ def test_sampler_gap_is_logged(tmp_path, dtype, mu):
     run(['config/dr_grpo.py', '--max_iters=2', f'--dtype={dtype}', f'--num_iterations={mu}'], tmp_path)
     gaps = [m['sampler/logp_diff'] for m in metrics(tmp_path) if 'reward' in m]
     assert len(gaps) == 2 and all(0 <= g < (1e-4 if dtype == 'float32' else 0.5) for g in gaps), gaps
+
+
+def test_mfu_reads_the_same_at_every_world_size():
+    """Two ranks doing one rank's work each, in the same time, on devices of the same peak: the same MFU as one
+    rank (train.py sums the FLOPs over ranks: divided by one rank's peak, 2 ranks read twice the MFU)."""
+    per_rank, seconds, peak = 3e12, 2.0, 4e12
+    one = measure.mfu(per_rank, seconds, peak, world_size=1)
+    assert one == pytest.approx(0.375)
+    for world_size in (2, 8):
+        assert measure.mfu(per_rank * world_size, seconds, peak, world_size=world_size) == pytest.approx(one)
