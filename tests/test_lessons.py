@@ -49,19 +49,26 @@ def copy_repo(directory):
 
 
 def apply(patch, directory):
-    """Apply docs/solutions/<patch> in directory with patch(1), or git apply where there is no patch command."""
+    """Apply docs/solutions/<patch> in directory with git apply: exactly, without patch(1)'s fuzz, so that a lesson
+    whose code has moved on fails here instead of applying somewhere near."""
     path = os.path.join(SOLUTIONS, patch)
     with open(path) as f:
         touched = set(re.findall(r"^\+\+\+ b/(\S+)", f.read(), re.MULTILINE))
     assert touched and touched <= PATCHABLE, f"{patch} touches {sorted(touched)}; solutions patch only {PATCHABLE}"
-    if shutil.which("patch"):
-        cmd = ["patch", "-p1", "-N", "-t", "-i", path]
-    elif shutil.which("git"):
-        cmd = ["git", "apply", "-p1", path]
-    else:
-        pytest.skip("neither patch nor git is installed")
-    p = subprocess.run(cmd, cwd=directory, capture_output=True, text=True)
+    if not shutil.which("git"):
+        pytest.skip("git is not installed")
+    p = subprocess.run(["git", "apply", "-p1", path], cwd=directory, capture_output=True, text=True)
     assert p.returncode == 0, f"{patch} no longer applies to the current code:\n{p.stdout}{p.stderr}"
+
+
+@pytest.mark.parametrize("patch", sorted(p for p in os.listdir(SOLUTIONS) if p.endswith(".patch")))
+def test_every_solution_applies_exactly(patch):
+    """git apply --check on the repository itself: every patch of docs/solutions/, with no fuzz."""
+    if not shutil.which("git"):
+        pytest.skip("git is not installed")
+    p = subprocess.run(["git", "apply", "--check", "-p1", os.path.join(SOLUTIONS, patch)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, f"{patch} no longer applies to the current code:\n{p.stderr}"
 
 
 def solved(tmp_path, patch):
