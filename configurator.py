@@ -54,8 +54,8 @@ def _unknown(key, known):
 
 def _coerce(key, value, default):
     """Return value converted to the type of default, or raise naming the key and both types."""
-    if default is None or value is None:  # optional knobs (top_k, delta, ...): None or a number/string
-        ok = value is None or isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    if default is None or value is None:  # optional knobs (top_k, delta, enable_thinking...): None or a value
+        ok = value is None or isinstance(value, (int, float, str, bool))
     elif isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, int):

@@ -5,7 +5,9 @@ turned into what a Hugging Face directory would hold, so that hf.py and tokenize
 they make there:
 
     read_model(path)      -> (config.json's dict, (HF tensor name, file, float32 tensor) triples)
-    tokenizer_json(path)  -> tokenizer.json's dict (vocab, merges, added tokens, the pre-tokenizer the file names)
+    tokenizer(path)       -> (tokenizer.json's dict: vocab, merges, added tokens, the pre-tokenizer the file names;
+                              the padding tokens {text: id})
+    tokenizer_json(path)  -> the tokenizer.json alone
     eos_ids(path)         -> the ids that end a generation
     write_hf_tokenizer(path, folder): tokenizer.json, tokenizer_config.json and generation_config.json, so that the
                           checkpoints a run writes from a GGUF are whole Hugging Face model directories
@@ -38,11 +40,13 @@ def _split(regex):
         dict(type="Split", pattern=dict(Regex=regex), behavior="Isolated", invert=False),
         dict(BYTE_LEVEL, trim_offsets=False, use_regex=False)])
 
-PRE_TOKENIZERS = {  # tokenizer.ggml.pre -> (normalizer, pre_tokenizer)
-    "gpt-2": (None, BYTE_LEVEL),
-    "smollm": (None, dict(type="Sequence", pretokenizers=[dict(type="Digits", individual_digits=True), BYTE_LEVEL])),
-    "qwen2": (dict(type="NFC"), _split(QWEN2_REGEX)),
-    "llama-bpe": (None, _split(LLAMA3_REGEX)),
+PRE_TOKENIZERS = {  # tokenizer.ggml.pre -> (normalizer, pre_tokenizer, ignore_merges: llama.cpp's for that pre, and
+    # what Llama-3's tokenizer.json says: a word that is a vocab token is taken whole)
+    "gpt-2": (None, BYTE_LEVEL, False),
+    "smollm": (None, dict(type="Sequence", pretokenizers=[dict(type="Digits", individual_digits=True), BYTE_LEVEL]),
+               False),
+    "qwen2": (dict(type="NFC"), _split(QWEN2_REGEX), False),
+    "llama-bpe": (None, _split(LLAMA3_REGEX), True),
 }
 # GGUF's tensor names -> Hugging Face's: outside the blocks, and inside block i ('blk.{i}.' -> 'model.layers.{i}.')
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -50,7 +54,12 @@ BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type: special added tokens, and the added ones not special
+# tokenizer.ggml.token_type, as llama.cpp's converter writes it for a byte-level BPE: NORMAL the BPE vocab, CONTROL the
+# special added tokens (and those that look it, <|...|>), USER_DEFINED the other added tokens, UNUSED the [PAD{id}]
+# tokens that fill the ids up to the embedding's rows (Qwen2/2.5/3 have 151,936 rows for 151,665-151,669 tokens).
+# UNKNOWN and BYTE are SentencePiece's
+TOKEN_TYPES = {1: "NORMAL", 2: "UNKNOWN", 3: "CONTROL", 4: "USER_DEFINED", 5: "UNUSED", 6: "BYTE"}
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
 @functools.lru_cache(maxsize=1)  # the tokenizer, the eos ids and the model read one file: parse it once
 def _reader(path):
@@ -104,6 +113,21 @@ def _hf_name(name):
         return f"model.layers.{part[1]}.{BLOCK.get(part[2], part[2])}.{part[3]}"
     return ".".join([TOP.get(part[0], part[0]), *part[1:]])
 
+def _embedding_rows(path, tensors):
+    """The vocabulary the weights have: token_embd's rows. The tokenizer may list fewer tokens (the embedding padded
+    past it, as in a Hugging Face checkpoint), never more: those ids would have no row."""
+    field = _reader(path)[1].fields.get("tokenizer.ggml.tokens")
+    tokens = 0 if field is None else len(field.data)  # counted, not read: 151,936 strings take a while
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        return tokens or None  # hf.py names the missing tensor
+    rows = int(embd.shape[-1])  # gguf lists a tensor's dimensions innermost first: (columns, rows)
+    if tokens > rows:
+        raise ConfigError(f"{path}: the tokenizer has {tokens} tokens but token_embd.weight {rows} rows, so ids "
+                          f"{rows}-{tokens - 1} have no weights; the file's tokenizer is another model's or the file "
+                          f"is damaged: convert the model again")
+    return rows
+
 def read_model(path):
     """(the config.json this model would have, its tensors as (Hugging Face name, path, float32 tensor) one at a
     time). The config is hf.parse_config's to check and write_config's to write back."""
@@ -124,12 +148,13 @@ def read_model(path):
     if key("rope.scaling.type", "none") not in ("none", "linear") or key("rope.scaling.factor", 1.0) != 1.0:
         raise ConfigError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported; nanoGRPO does "
                           f"Llama-3.1's (rope_freqs) and none")
+    rows = _embedding_rows(path, tensors)  # Qwen's files name no vocab_size: the embedding says it
     freqs = tensors.get("rope_freqs.weight")  # Llama-3.1's scaling, as llama.cpp stores it
     rope = None if freqs is None else _llama3_rope(path, gguf.quants.dequantize(freqs.data, freqs.tensor_type), theta,
                                                     head_dim)
     config = dict(
         architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
-        model_type=arch, vocab_size=key("vocab_size") or len(_need(path, "tokenizer.ggml.tokens")),
+        model_type=arch, vocab_size=key("vocab_size") or rows,
         hidden_size=hidden, intermediate_size=_need(path, f"{arch}.feed_forward_length"),
         num_hidden_layers=_need(path, f"{arch}.block_count"), num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, max_position_embeddings=_need(path, f"{arch}.context_length"),
@@ -153,10 +178,30 @@ def read_model(path):
 # -----------------------------------------------------------------------------
 # the tokenizer
 
-def tokenizer_json(path):
-    """The tokenizer.json that the GGUF's tokenizer metadata describes, in the layout of the hub's files: the
-    tokens that tokenizer.ggml.token_type marks as control are special added tokens, user-defined ones added tokens
-    that are not special, and tokenizer.ggml.pre picks the normalizer and pre-tokenizer."""
+def _vocab(path):
+    """tokenizer.ggml.tokens and token_type, checked: one type for each token, and each type one that a byte-level
+    BPE has (an UNKNOWN or BYTE token belongs to a SentencePiece vocabulary, whose text llama.cpp and transformers
+    each read their own way)."""
+    tokens, types = _need(path, "tokenizer.ggml.tokens"), _need(path, "tokenizer.ggml.token_type")
+    if len(types) != len(tokens):
+        raise ConfigError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens; "
+                          f"the file is damaged: convert the model again")
+    bad = next((i for i, t in enumerate(types) if t not in (NORMAL, CONTROL, USER_DEFINED, UNUSED)), None)
+    if bad is not None:
+        kind = TOKEN_TYPES.get(types[bad])
+        what = (f"type {kind} ({types[bad]}), which llama.cpp's converter writes for SentencePiece vocabularies, "
+                f"not byte-level BPE ones" if kind else f"type {types[bad]}, none of llama.cpp's (1-6)")
+        raise ConfigError(f"{path}: token {tokens[bad]!r} (id {bad}) has token {what}; nanoGRPO reads NORMAL, CONTROL, "
+                          f"USER_DEFINED and UNUSED tokens in a 'gpt2' GGUF: convert the model again")
+    return tokens, types
+
+def tokenizer(path):
+    """(the tokenizer.json that the GGUF's tokenizer metadata describes, in the layout of the hub's files; the
+    padding tokens {text: id}). Of tokenizer.ggml.token_type: NORMAL tokens are the BPE vocab, CONTROL ones special
+    added tokens, USER_DEFINED ones added tokens that are not special, and tokenizer.ggml.pre picks the normalizer
+    and pre-tokenizer. UNUSED tokens are the converter's padding, [PAD{id}] up to the embedding's rows: the hub's
+    tokenizer.json leaves those ids out, and transformers' GGUF tokenizer keeps them as BPE tokens that no merge
+    makes, so never encoded, decoded as their text; so they come apart here, to be decoded and never encoded."""
     kind, pre = _need(path, "tokenizer.ggml.model"), _metadata(path, "tokenizer.ggml.pre", "default")
     if kind != "gpt2":
         raise ConfigError(f"{path}: tokenizer.ggml.model {kind!r} is not a byte-level BPE ('gpt2'); nanoGRPO reads "
@@ -164,17 +209,23 @@ def tokenizer_json(path):
     if pre not in PRE_TOKENIZERS:
         raise ConfigError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; nanoGRPO reproduces "
                           f"{', '.join(PRE_TOKENIZERS)}")
-    tokens, types = _need(path, "tokenizer.ggml.tokens"), _need(path, "tokenizer.ggml.token_type")
+    tokens, types = _vocab(path)
     added = [dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False,
                   special=role == CONTROL) for i, (t, role) in enumerate(zip(tokens, types))
              if role in (CONTROL, USER_DEFINED)]
-    normalizer, pre_tokenizer = PRE_TOKENIZERS[pre]
+    normalizer, pre_tokenizer, ignore_merges = PRE_TOKENIZERS[pre]
     byte_level = dict(BYTE_LEVEL, add_prefix_space=False, trim_offsets=False, use_regex=False)
-    return dict(version="1.0", truncation=None, padding=None, added_tokens=added, normalizer=normalizer,
-                pre_tokenizer=pre_tokenizer, post_processor=byte_level, decoder=byte_level,
-                model=dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None,
-                           end_of_word_suffix=None, fuse_unk=False, byte_fallback=False, ignore_merges=False,
-                           vocab={t: i for i, t in enumerate(tokens)}, merges=_need(path, "tokenizer.ggml.merges")))
+    tok = dict(version="1.0", truncation=None, padding=None, added_tokens=added, normalizer=normalizer,
+               pre_tokenizer=pre_tokenizer, post_processor=byte_level, decoder=byte_level,
+               model=dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None,
+                          end_of_word_suffix=None, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges,
+                          vocab={t: i for i, (t, role) in enumerate(zip(tokens, types)) if role != UNUSED},
+                          merges=_need(path, "tokenizer.ggml.merges")))
+    return tok, {t: i for i, (t, role) in enumerate(zip(tokens, types)) if role == UNUSED}
+
+def tokenizer_json(path):
+    """The tokenizer.json of the GGUF's tokenizer (see tokenizer()), without the padding."""
+    return tokenizer(path)[0]
 
 def eos_ids(path):
     """The ids that end a generation: the file's end-of-sequence and end-of-turn tokens, sorted."""

@@ -11,9 +11,9 @@ from configurator import ConfigError
 
 def check_sampling(top_k, top_p):
     """The one check of the sampler's restrictions, for the config and for generate() alike."""
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ConfigError(f"top_k={top_k!r} must be None or an int > 0")
-    if top_p is not None and not 0 < top_p <= 1:
+    if top_p is not None and (isinstance(top_p, bool) or not 0 < top_p <= 1):
         raise ConfigError(f"top_p={top_p!r} must be None or in (0, 1]")
 
 

@@ -1,8 +1,9 @@
 """
 Hugging Face tokenizers as tiktoken Encodings: load_hf_tokenizer(path) reads a checkpoint's tokenizer.json (or the
 older GPT-2 layout, vocab.json + merges.txt, or a .gguf file's metadata, which gguf_file.py turns into a
-tokenizer.json) and returns a tiktoken Encoding that tokenizes exactly as Hugging Face tokenizers does, and
-eos_ids(path) reads the ids that end a generation. The chat templates are chat.py's.
+tokenizer.json and the padding tokens llama.cpp's converter adds) and returns a tiktoken Encoding that tokenizes
+exactly as Hugging Face tokenizers does, and eos_ids(path) reads the ids that end a generation. The chat templates
+are chat.py's.
 
 Why tiktoken: its Rust BPE is fast, it is already the project's tokenizer interface (encode_ordinary, encode,
 decode, eot_token, n_vocab), and it saves a dependency on `tokenizers`/`transformers` at run time.
@@ -65,12 +66,15 @@ def _split(text, tokens):
 
 class HFEncoding(tiktoken.Encoding):
     """A tiktoken Encoding plus the NFC normalizer and HF's added-token matching. A subclass, so that decode,
-    n_vocab, the batch encoders etc. are tiktoken's own: only what differs is overridden."""
+    n_vocab, the batch encoders etc. are tiktoken's own: only what differs is overridden. padding {text: id}: a GGUF's
+    UNUSED tokens, which fill the ids up to the embedding's rows: tiktoken special tokens, so that they decode to
+    their text and count in n_vocab, but none of the added tokens that encode and encode_ordinary match, so that no
+    text ever encodes to one (nor does any in HF, whose BPE has no merge making them)."""
 
-    def __init__(self, name, pat_str, ranks, added_tokens, nfc):
+    def __init__(self, name, pat_str, ranks, added_tokens, nfc, padding=None):
         super().__init__(name, pat_str=pat_str, mergeable_ranks=ranks,
-                         special_tokens={t["content"]: t["id"] for t in added_tokens})
-        self._added_tokens, self._nfc = added_tokens, nfc
+                         special_tokens={**(padding or {}), **{t["content"]: t["id"] for t in added_tokens}})
+        self._added_tokens, self._nfc, self._padding = added_tokens, nfc, padding
         specials = [t["content"] for t in added_tokens if t["special"]]
         self._specials = frozenset(specials)
         # HF matches the added tokens that skip the normalizer in the raw text, and the others in the normalized
@@ -83,7 +87,8 @@ class HFEncoding(tiktoken.Encoding):
         self._lacks = bytes(b for b in range(256) if bytes([b]) not in ranks)  # single bytes the vocab lacks
 
     def __reduce__(self):  # tiktoken pickles its own constructor's arguments: these are ours
-        return HFEncoding, (self.name, self._pat_str, self._mergeable_ranks, self._added_tokens, self._nfc)
+        return HFEncoding, (self.name, self._pat_str, self._mergeable_ranks, self._added_tokens, self._nfc,
+                            self._padding)
 
     @property
     def eot_token(self):
@@ -210,8 +215,9 @@ def _pattern(pre, refuse):
     refuse(f"pre_tokenizer {kinds} is not ByteLevel(use_regex), Digits(individual_digits) + ByteLevel(use_regex) "
            f"nor Split(Regex, Isolated) + ByteLevel; {SUPPORTED}")
 
-def _from_json(tok, file):
-    """The HFEncoding of a parsed tokenizer.json, after checking what makes tiktoken exact."""
+def _from_json(tok, file, padding=None):
+    """The HFEncoding of a parsed tokenizer.json, after checking what makes tiktoken exact (padding: a GGUF's, see
+    HFEncoding)."""
     def refuse(problem):
         raise ConfigError(f"{file}: {problem}")
 
@@ -261,9 +267,9 @@ def _from_json(tok, file):
     # tiktoken returns a pre-token that is a vocab token whole; HF does only with ignore_merges, else it runs BPE
     if not model.get("ignore_merges") and (bad := _unreachable(vocab, merges, made)):
         refuse(f"vocab token {bad[0]!r} is not reachable by its merges and ignore_merges is false: HF would "
-               f"split it where tiktoken keeps it whole; {SUPPORTED}")
+               f"split it where tiktoken keeps it whole, so tiktoken cannot tokenize exactly as this tokenizer does")
     return HFEncoding(os.path.basename(os.path.dirname(os.path.abspath(file))), pat_str, ranks, added,
-                      nfc=normalizer is not None)
+                      nfc=normalizer is not None, padding=padding)
 
 def _gpt2_files(path):
     """The older GPT-2 layout as a tokenizer.json would say it: ByteLevel regex, no normalizer, <|endoftext|>."""
@@ -279,7 +285,8 @@ def load_hf_tokenizer(path):
     """A tiktoken Encoding from a tokenizer.json, or a directory holding one (or else vocab.json + merges.txt), or
     the tokenizer that a .gguf file's metadata describes."""
     if path.endswith(".gguf"):
-        return _from_json(gguf_file.tokenizer_json(path), path)
+        tok, padding = gguf_file.tokenizer(path)
+        return _from_json(tok, path, padding)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json")):
         return _from_json(_gpt2_files(path), os.path.join(path, "vocab.json"))
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path

@@ -44,7 +44,7 @@ eval_interval = 100  # iterations between held-out evaluations (also at the star
 eval_size = 500  # held-out prompts for greedy accuracy and pass@k, sampled prompts_per_step at a time
 save_interval = 100  # iterations between checkpoints (also at the end and when stopped by a signal); 0 = those only
 progress_interval = 10.0  # seconds between progress lines of a long warm start or evaluation
-init_from = 'scratch'  # 'scratch', 'resume' (out_dir's), a Hugging Face directory or a .gguf (GPT-2/Llama/Qwen2/3)
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's), a Hugging Face directory or a .gguf (Llama/Qwen2/Qwen3)
 wandb_log = False
 wandb_project = 'nanogrpo'
 wandb_run_name = 'grpo'

@@ -1,8 +1,12 @@
 """
-Tiny GGUF files for the tests, written with the gguf package's own writer the way llama.cpp's converter writes a
-model: llama.cpp's tensor names, a Llama's q and k rows reordered for its rotary kernel, norms in float32, the
-matrices in the quantization asked for, the tokenizer as metadata. Written independently of gguf_file.py (which reads
-them), so that a mistake in one is not repeated in the other. tests/fixtures/gguf/make_reference.py uses it too.
+Tiny GGUF files for the tests, written with the gguf package's own writer the way llama.cpp's converter
+(convert_hf_to_gguf.py and the gguf package's SpecialVocab) writes a model: llama.cpp's tensor names, a Llama's q and
+k rows reordered for its rotary kernel, norms in float32, the matrices in the quantization asked for, and the
+tokenizer as the converter lists it from a family's Hugging Face files (HUBS): a token for every embedding row, with
+[PAD{id}] tokens of type UNUSED where the tokenizer has none (Qwen's 151,936 rows hold 151,665 tokens), the token
+types, tokenizer.ggml.pre, the bos/eos/padding ids, add_bos_token and the chat template. Written independently of
+gguf_file.py (which reads them), so that a mistake in one is not repeated in the other.
+tests/fixtures/gguf/make_reference.py uses it too.
 """
 import json
 import os
@@ -14,7 +18,23 @@ from safetensors.torch import load_file
 
 from model import GPT, GPTConfig
 
-BPE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-bpe-a", "tokenizer.json")
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+BPE = os.path.join(FIXTURES, "tiny-bpe-a", "tokenizer.json")  # Qwen2.5's layout: 541 BPE tokens, 3 special ones
+with open(os.path.join(FIXTURES, "qwen_tools", "qwen2.5_template.jinja"), encoding="utf-8") as f:
+    QWEN25_TEMPLATE = f.read()
+CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+          "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")  # a short stand-in
+LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>"
+                   "\\n\\n' + m.content + '<|eot_id|>' }}{%- endfor %}")
+# Llama-3's pre-tokenizer regex (its tokenizer.json's Split), and its special tokens after the BPE vocabulary
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+# Qwen3's added tokens that are not special, in its order (<|fim_prefix|> stands for the six <|fim_...|>-like ones)
+QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<think>", "</think>"]
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5  # gguf.TokenType
 NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
          "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -67,33 +87,128 @@ def tiny_model(arch, n_embd=64, n_inner=128, n_layer=1, vocab_size=544, head_dim
     return model
 
 
-def write_gguf(path, model, qtype="F32", reorder=True, drop=(), metadata=None, extra=None, tokenizer=BPE, pre="qwen2",
+def _load(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _added(i, content, special):
+    return dict(id=i, content=content, single_word=False, lstrip=False, rstrip=False, normalized=False,
+                special=special)
+
+
+def qwen3_tokenizer():
+    """tiny-bpe-a with Qwen3's added tokens that are not special after its three special ones (ids 544-548)."""
+    tok = _load(BPE)
+    tok["added_tokens"] += [_added(544 + k, s, False) for k, s in enumerate(QWEN3_ADDED)]
+    return tok
+
+
+def llama3_tokenizer():
+    """tiny-bpe-a's BPE in Llama-3's tokenizer.json layout: no normalizer, Llama-3's regex (digits in threes),
+    ignore_merges and a merge for every two-token split of each token, sorted by the merged token's id (Llama-3's
+    were made from tiktoken ranks), its special tokens after the BPE vocabulary (541-551), and a post-processor that
+    opens each text with <|begin_of_text|>."""
+    tok = _load(BPE)
+    vocab = tok["model"]["vocab"]
+    splits = sorted((vocab[s], f"{s[:k]} {s[k:]}") for s in vocab for k in range(1, len(s))
+                    if s[:k] in vocab and s[k:] in vocab)
+    tok["model"].update(merges=[m for _, m in splits], ignore_merges=True)
+    tok["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": LLAMA3_REGEX}
+    tok["normalizer"], tok["added_tokens"] = None, [_added(541 + k, s, True) for k, s in enumerate(LLAMA3_SPECIAL)]
+    bos = dict(SpecialToken=dict(id="<|begin_of_text|>", type_id=0))
+    tok["post_processor"] = dict(type="Sequence", processors=[tok["post_processor"], dict(
+        type="TemplateProcessing", single=[bos, dict(Sequence=dict(id="A", type_id=0))],
+        pair=[bos, dict(Sequence=dict(id="A", type_id=0)), bos, dict(Sequence=dict(id="B", type_id=1))],
+        special_tokens={"<|begin_of_text|>": dict(id="<|begin_of_text|>", ids=[541], tokens=["<|begin_of_text|>"])})])
+    return tok
+
+
+# each family's Hugging Face files as the converter reads them: tokenizer.json, tokenizer.ggml.pre (which the
+# converter finds from how the tokenizer splits a test text), tokenizer_config.json's keys and config.json's token
+# ids (the tiny tokenizers' ids for the real ones': Qwen's bos 151643 and eos 151645, Llama-3.x's bos 128000 and eos
+# [128001, 128008, 128009], a list, which SpecialVocab skips). Qwen's files say add_bos_token false (their GGUFs
+# carry it); Llama-3's post-processor says true.
+QWEN = dict(bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", add_bos_token=False)
+HUBS = {
+    "qwen2.5": dict(tokenizer=lambda: _load(BPE), pre="qwen2", config=dict(QWEN, chat_template=QWEN25_TEMPLATE),
+                    ids=dict(bos_token_id=541, eos_token_id=543)),
+    "qwen3": dict(tokenizer=qwen3_tokenizer, pre="qwen2", config=dict(QWEN, chat_template=CHATML),
+                  ids=dict(bos_token_id=541, eos_token_id=543)),
+    "llama3": dict(tokenizer=llama3_tokenizer, pre="llama-bpe",
+                   config=dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", chat_template=LLAMA3_TEMPLATE),
+                   ids=dict(bos_token_id=541, eos_token_id=[542, 549, 550])),
+}
+
+
+def llama_cpp_vocab(tok, vocab_size):
+    """(tokens, token types) as the converter lists tokenizer.json tok for a model of vocab_size embedding rows
+    (get_vocab_base): an id the tokenizer lacks is [PAD{id}] of type UNUSED; an added token is CONTROL when special
+    or looking it (<|...|>), else USER_DEFINED; the BPE vocab is NORMAL."""
+    added = {t["id"]: t for t in tok["added_tokens"]}
+    text = {i: s for s, i in tok["model"]["vocab"].items()}
+    assert max([*added, *text]) < vocab_size  # the converter's own assertion
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in added:
+            content = added[i]["content"]
+            looks = content.startswith("<|") and content.endswith("|>")  # (and <｜...｜>, <unused..>, for others)
+            tokens.append(content)
+            types.append(CONTROL if added[i]["special"] or looks else USER_DEFINED)
+        else:
+            tokens.append(text.get(i, f"[PAD{i}]"))
+            types.append(NORMAL if i in text else UNUSED)
+    return tokens, types
+
+
+def special_vocab(tok, config, ids):
+    """The keys gguf's SpecialVocab adds from a checkpoint's files: the merges as 'a b' strings, the id of each of
+    the bos, eos and padding tokens that tokenizer_config.json names, else config.json's where that is one int,
+    add_bos_token from a TemplateProcessing post-processor that opens with the bos token, then from
+    tokenizer_config.json, and its chat template."""
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    keys = {"tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]}
+    for kind, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        i = added.get(config.get(f"{kind}_token"), ids.get(f"{kind}_token_id"))
+        if isinstance(i, int):
+            keys[f"tokenizer.ggml.{key}_token_id"] = i
+    post = tok.get("post_processor") or {}
+    for p in post.get("processors", [post]):
+        if p.get("type") == "TemplateProcessing" and len(p["single"]) > 1 and "SpecialToken" in p["single"][0]:
+            keys["tokenizer.ggml.add_bos_token"] = p["single"][0]["SpecialToken"]["id"] == config.get("bos_token")
+    if "add_bos_token" in config:
+        keys["tokenizer.ggml.add_bos_token"] = config["add_bos_token"]
+    if config.get("chat_template"):
+        keys["tokenizer.chat_template"] = config["chat_template"]
+    return keys
+
+
+def write_gguf(path, model, qtype="F32", reorder=True, drop=(), metadata=None, extra=None, hub="qwen2.5", pre=None,
                seed=0):
-    """model (a GPT of ours) as a GGUF at path: its Hugging Face tensors (save_pretrained's) renamed, the Llama's q/k
-    rows reordered unless reorder=False (a planted mistake), matrices in qtype (1-D tensors stay F32), the tensors in
-    `drop` left out, the float32 arrays `extra` {name: array} added, `metadata` {key: value} added or replacing the
-    usual keys (None removes one)."""
+    """model (a GPT of ours) as a GGUF at path, with family `hub`'s tokenizer (HUBS) padded to the model's
+    vocab_size: its Hugging Face tensors (save_pretrained's) renamed, the Llama's q/k rows reordered unless
+    reorder=False (a planted mistake), matrices in qtype (1-D tensors stay F32), the tensors in `drop` left out, the
+    float32 arrays `extra` {name: array} added, `metadata` {key: value} added or replacing the usual keys (None
+    removes one), pre replacing the family's tokenizer.ggml.pre."""
     cfg, rng = model.config, np.random.default_rng(seed)
     folder = f"{path}.hf"
     model.save_pretrained(folder)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
-    with open(tokenizer, encoding="utf-8") as f:
-        tok = json.load(f)
-    added = {t["id"]: t for t in tok["added_tokens"]}
-    ids = {**tok["model"]["vocab"], **{t["content"]: i for i, t in added.items()}}
-    tokens = sorted(ids, key=ids.get)
+    family = HUBS[hub]
+    tok = family["tokenizer"]()
+    tokens, types = llama_cpp_vocab(tok, cfg.vocab_size)
     arch = cfg.model_type
     keys = {f"{arch}.block_count": cfg.n_layer, f"{arch}.context_length": cfg.block_size,
             f"{arch}.embedding_length": cfg.n_embd, f"{arch}.feed_forward_length": cfg.n_inner,
             f"{arch}.attention.head_count": cfg.n_head, f"{arch}.attention.head_count_kv": cfg.n_kv_head,
-            f"{arch}.attention.key_length": cfg.head_dim, f"{arch}.rope.freq_base": cfg.rope_theta,
-            f"{arch}.attention.layer_norm_rms_epsilon": cfg.norm_eps, f"{arch}.vocab_size": cfg.vocab_size,
-            "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [(3 if added[i]["special"] else 4) if i in added else 1
-                                          for i in range(len(tokens))],
-            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]],
-            "tokenizer.ggml.eos_token_id": ids["<|im_end|>"], "tokenizer.ggml.bos_token_id": ids["<|endoftext|>"],
-            **(metadata or {})}
+            f"{arch}.rope.freq_base": cfg.rope_theta, f"{arch}.attention.layer_norm_rms_epsilon": cfg.norm_eps}
+    if arch != "qwen2" or cfg.head_dim != cfg.n_embd // cfg.n_head:  # written where config.json has a head_dim
+        keys[f"{arch}.attention.key_length"] = cfg.head_dim
+    if arch == "llama":  # the converter's Llama writes vocab_size; its Qwen2 and Qwen3 do not
+        keys[f"{arch}.vocab_size"] = cfg.vocab_size
+    keys.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre or family["pre"],
+                 "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+                 **special_vocab(tok, family.get("config", {}), family["ids"]), **(metadata or {})})
     writer = gguf.GGUFWriter(path, keys.pop("general.architecture", arch))
     for key, value in keys.items():
         if value is None:
@@ -102,6 +217,8 @@ def write_gguf(path, model, qtype="F32", reorder=True, drop=(), metadata=None, e
             writer.add_array(key, value)
         elif isinstance(value, str):
             writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
         else:

@@ -237,8 +237,20 @@ def test_refused_models(tmp_path, kwargs, match):
     one_line(lambda: GPT.from_pretrained(path), match)
 
 
+def retyped(i, kind):
+    """metadata giving token i of the usual file (541 NORMAL, then 3 CONTROL) token type kind instead."""
+    types = [1] * 541 + [3] * 3
+    types[i] = kind
+    return {"tokenizer.ggml.token_type": types}
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(metadata={"tokenizer.ggml.model": "llama"}), "tokenizer.ggml.model 'llama' is not a byte-level BPE"),
+    (dict(metadata=retyped(0, 2)), "token '!' \\(id 0\\) has token type UNKNOWN \\(2\\), which llama.cpp's converter "
+                                   "writes for SentencePiece vocabularies"),
+    (dict(metadata=retyped(33, 6)), "token 'B' \\(id 33\\) has token type BYTE \\(6\\)"),
+    (dict(metadata=retyped(541, 9)), "token '<\\|endoftext\\|>' \\(id 541\\) has token type 9, none of llama.cpp's"),
+    (dict(metadata={"tokenizer.ggml.token_type": [1] * 540}), "token_type has 540 entries for 544 tokens"),
     (dict(pre="deepseek-llm"), "tokenizer.ggml.pre 'deepseek-llm' is not supported"),
     (dict(metadata={"tokenizer.ggml.merges": None}), "metadata 'tokenizer.ggml.merges' is missing"),
 ])
