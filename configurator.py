@@ -12,17 +12,13 @@ work (check_config). These raise ConfigError, which train.py prints as `error: .
 """
 import ast
 import difflib
-import importlib
 import math
 import os
 import sys
 
 import torch
 
-
-class ConfigError(ValueError):
-    """A mistake in what the user gave: the configuration, a data file, a checkpoint, a tokenizer, a reward function.
-    train.py prints it as one line, `error: ...`; every other exception keeps its traceback (a bug's, a fork's)."""
+from lib.errors import ConfigError, import_named, need_package  # lib's, and the core's through here
 
 
 def one_line_errors(kind, value, tb):
@@ -31,15 +27,6 @@ def one_line_errors(kind, value, tb):
         print(f"error: {value}", file=sys.stderr)
     else:
         sys.__excepthook__(kind, value, tb)
-
-
-def need_package(name, why):
-    """Import an optional package (wandb, gguf) where it is asked for, or say in one line how to install it."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        raise ConfigError(f"{why} needs the {name} package: pip install {name} (or pip install -r "
-                          f"requirements-extra.txt)") from None
 
 
 # the values a config may hold; anything else in train.py's globals (modules, functions) is not config
@@ -168,17 +155,6 @@ def check_config(c, world_size, distributed=False):
     need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] != 0,  # None: 400 from scratch
          "beta > 0 needs a reference policy worth staying close to, but init_from='scratch' with sft_iters=0 "
          "starts from random weights; set sft_iters > 0, init_from a checkpoint directory, or beta=0")
-
-
-def import_named(name, what):
-    """The object 'module:attribute' names, imported from the Python path: a user's own reward function or
-    environment, named in the config; a one-line error when it is not there."""
-    module, _, attr = name.partition(':')
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{what} {name!r} cannot be imported ({e}); put {module}.py on the Python path (e.g. the "
-                          f"directory you run from) with {attr} in it") from None
 
 
 def check_device(device):

@@ -19,7 +19,7 @@ import math
 import os
 import random
 
-from chat import encode_prompt
+from lib.chat import encode_prompt
 from configurator import ConfigError
 from reward import RESERVED_COLUMNS, get_reward_fns, to_number
 

@@ -6,7 +6,7 @@ multi-turn row jumps ahead by each observation it reads in).
 
 The cache is allocated once for a call's batch and sequence and never moved (finished rows are dropped by copying
 the live ones into its first rows), and freed when the call returns, leaving its memory to the update. With
-model.decode_graphs (train.py's cuda_graphs) the steps are replayed as CUDA graphs instead (cuda_graphs.py), and the
+model.decode_graphs (train.py's cuda_graphs) the steps are replayed as CUDA graphs instead (lib/cuda_graphs.py), and the
 cache is kept across calls, grown to the largest batch and sequence seen, since a graph reads the addresses it was
 captured with.
 """
@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
-import cuda_graphs
+from lib import cuda_graphs
 from sampling import check_sampling, sample
 
 _CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the module, so state_dict and deepcopy skip it

@@ -5,8 +5,8 @@ evaluate every eval_interval iterations; its warm start asks greedy_hits when it
 """
 import torch
 
-from measure import ticker
-from parallelism import all_sum, gathered
+from lib.measure import ticker
+from lib.parallelism import all_sum, gathered
 from reward import pass_at_k
 from rollout import prompt_seed, sample, score
 

@@ -5,9 +5,9 @@ The policy: one decoder-only transformer in two flavours, with the three things 
   attention, and per family q/k/v biases (Qwen2) or a per-head RMSNorm of queries and keys (Qwen3).
 1) logprobs(): per-token log-probs of given completions, chunked so a (B, T, vocab) float32 tensor never exists,
 2) generate(): fast sampling of many completions per prompt with a static KV cache (its loop is engine.py's),
-3) from_pretrained() / save_pretrained(): Hugging Face checkpoints without transformers (the format is hf.py's), and
-   from_pretrained() of a GGUF file (gguf_file.py).
-Module names follow Hugging Face's GPT2LMHeadModel; hf.py maps the Llama family's names (and splits the fused
+3) from_pretrained() / save_pretrained(): Hugging Face checkpoints without transformers (the format is lib/hf.py's), and
+   from_pretrained() of a GGUF file (lib/gguf_file.py).
+Module names follow Hugging Face's GPT2LMHeadModel; lib/hf.py maps the Llama family's names (and splits the fused
 q/k/v and gate/up matrices) key by key.
 """
 
@@ -21,10 +21,10 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import engine
-import gguf_file
-import hf
+from lib import gguf_file
+from lib import hf
 from configurator import ConfigError
-from head import HeadLogprobs
+from lib.head import HeadLogprobs
 from sampling import sample
 
 class RMSNorm(nn.Module):
@@ -361,8 +361,8 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None):
-        """Load a Hugging Face checkpoint directory (GPT-2 or the Llama family; hf.py reads the format) or a .gguf
-        file (Llama, Qwen2, Qwen3; gguf_file.py dequantizes it to float32) in dtype (default: the checkpoint's own;
+        """Load a Hugging Face checkpoint directory (GPT-2 or the Llama family; lib/hf.py reads the format) or a .gguf
+        file (Llama, Qwen2, Qwen3; lib/gguf_file.py dequantizes it to float32) in dtype (default: the checkpoint's own;
         the weights are copied into parameters of that dtype, so a float64 checkpoint loads exactly and a bf16 one
         upcasts exactly), then move it to device if given. device='meta': the model's shape only, no weights read
         (FSDP's ranks but the first, which get their shards from it)."""

@@ -23,13 +23,13 @@ from contextlib import nullcontext
 
 import torch
 
-from lora import adapters_off, has_adapters, merged
+from lib.lora import adapters_off, has_adapters, merged
 from loss import decoupled_advantages, entropy_threshold, group_advantages, kl_divergence
-from measure import lap
-from parallelism import gather, gathered
+from lib.measure import lap
+from lib.parallelism import gather, gathered
 from reward import compute_rewards
-from chat import encode_prompt
-from envs import stop_ids
+from lib.chat import encode_prompt
+from lib.envs import stop_ids
 
 
 def prompt_seed(*key):

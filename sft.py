@@ -11,13 +11,13 @@ import time
 
 import torch
 
-import checkpoint
-import parallelism
+from lib import checkpoint
+from lib import parallelism
 from evaluate import greedy_hits
-from measure import ticker
+from lib.measure import ticker
 from model import GPT
-from parallelism import all_sum, full_state_dict, gathered
-from chat import encode_prompt
+from lib.parallelism import all_sum, full_state_dict, gathered
+from lib.chat import encode_prompt
 from rollout import encode_observation, pack, prompt_seed
 
 # the warm start's config keys, with their defaults: train.py's config takes them from here

@@ -19,22 +19,22 @@ from types import SimpleNamespace
 
 import torch
 
-import checkpoint
-import lora
-import parallelism
+from lib import checkpoint
+from lib import lora
+from lib import parallelism
 import sft
-from chat import stop_ids
+from lib.chat import stop_ids
 from configurator import check_config, check_device, configure, need_package, one_line_errors
 from data import load_task
-from envs import get_env
+from lib.envs import get_env
 from evaluate import evaluate, report
 from loss import check_settings, grpo_loss, settings as loss_settings
-from measure import fastest_dtype, iteration_line, matmul_peak, memory_mb, mfu, phase
+from lib.measure import fastest_dtype, iteration_line, matmul_peak, memory_mb, mfu, phase
 from model import GPT, GPTConfig
-from parallelism import all_sum, full, gathered
+from lib.parallelism import all_sum, full, gathered
 from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
 from sampling import check_sampling
-from tokenizer import get_tokenizer
+from lib.tokenizer import get_tokenizer
 
 # -----------------------------------------------------------------------------
 # default config values: the default task, learnt by a tiny model on a laptop CPU
@@ -53,7 +53,7 @@ task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "a
 task_options = {}  # a built-in task's options (see data.py); {} = its defaults (addition: 2 digits)
 test_task = ''  # held-out data: '' = the task's own test split
 tokenizer = ''  # 'bytes', 'gpt2' (tiktoken's), a tokenizer.json or its directory, a .gguf; '' = init_from's or 'bytes'
-chat_template = 'none'  # 'none' (the prompt as it is), 'chatml' (Qwen2/2.5/3) or 'llama3' (see tokenizer.py)
+chat_template = 'none'  # 'none' (the prompt as it is), 'chatml' (Qwen2/2.5/3) or 'llama3' (see lib/tokenizer.py)
 system_prompt = None  # a system message for prompts without one (chat.QWEN25_SYSTEM is Qwen2.5's default)
 enable_thinking = None  # Qwen3's switch: False opens each answer with an empty <think> block
 reward_funcs = ()  # reward function names from reward.py; () = the task's default
@@ -76,7 +76,7 @@ top_p = None  # then from the smallest set of them holding top_p of their probab
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling = False  # DAPO: resample prompts whose groups all got the same reward
 max_resample_rounds = 4
-env = ''  # multi-turn: an environment, envs.py's name or 'module:attribute'; '' = one turn, no environment
+env = ''  # multi-turn: an environment, lib/envs.py's name or 'module:attribute'; '' = one turn, no environment
 max_turns = 4  # with env: the policy's turns per episode at most (max_completion_length bounds all the tokens)
 tool_workers = 4  # with env: threads running the env.step calls of rows that end a turn at the same step
 sandbox = 'bwrap'  # the python tool's: 'bwrap' (bubblewrap; refused at start where it cannot isolate) or 'none'
@@ -108,7 +108,7 @@ max_bad_steps = 3  # stop after this many non-finite steps in a row
 # system
 parallel = 'ddp'  # under torchrun: 'ddp' (replicas) or 'fsdp' (FSDP2: weights, gradients, AdamW state in shards)
 device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
-dtype = 'float32'  # 'float64' (tests), 'bfloat16'/'float16' (autocast), 'auto' (bf16 where 2x faster: measure.py)
+dtype = 'float32'  # 'float64' (tests), 'bfloat16'/'float16' (autocast), 'auto' (bf16 where 2x faster: lib/measure.py)
 compile = False
 cuda_graphs = False  # on CUDA, replay generate's decode steps as CUDA graphs (engine.py): no host overhead per token
 gradient_checkpointing = False  # recompute each block and the output layer's logits in backward: less memory

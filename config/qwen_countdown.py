@@ -4,7 +4,7 @@
 # says how to download the model; the task is generated here). A 24 GB GPU: add
 # --init_from=models/Qwen2.5-0.5B-Instruct --micro_batch_size=4
 # $ python train.py config/qwen_countdown.py
-from chat import QWEN25_SYSTEM as _system  # the system message Qwen2.5's own chat template inserts
+from lib.chat import QWEN25_SYSTEM as _system  # the system message Qwen2.5's own chat template inserts
 
 out_dir = 'out-qwen_countdown'
 init_from = 'models/Qwen2.5-3B-Instruct'

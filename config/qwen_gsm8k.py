@@ -2,7 +2,7 @@
 # Download the model and the data first (README.md, "Real models"), then:
 # $ python train.py config/qwen_gsm8k.py
 # Qwen2.5-1.5B-Instruct: add --init_from=models/Qwen2.5-1.5B-Instruct --out_dir=out-qwen1.5b_gsm8k
-from chat import QWEN25_SYSTEM as _system  # the system message Qwen2.5's own chat template inserts
+from lib.chat import QWEN25_SYSTEM as _system  # the system message Qwen2.5's own chat template inserts
 
 out_dir = 'out-qwen_gsm8k'
 init_from = 'models/Qwen2.5-0.5B-Instruct'  # its tokenizer.json and generation_config.json are used too

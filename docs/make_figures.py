@@ -25,15 +25,15 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402
+from lib import checkpoint  # noqa: E402
 from data import default_reward, load_dataset  # noqa: E402
 from loss import LOSS_TYPES, grpo_loss, group_advantages, kl_divergence  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from reward import get_reward_fns  # noqa: E402
 from rollout import is_flat, rollout  # noqa: E402
 from sampling import sample  # noqa: E402
-from chat import stop_ids  # noqa: E402
-from tokenizer import get_tokenizer  # noqa: E402
+from lib.chat import stop_ids  # noqa: E402
+from lib.tokenizer import get_tokenizer  # noqa: E402
 
 DT = torch.float64
 # the runs: the default recipe with room to ramble (completions of up to 32 tokens, not 8), no evaluation

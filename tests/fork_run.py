@@ -19,7 +19,8 @@ import tempfile
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, root)
 os.chdir(root)
-for name in ('checkpoint', 'configurator', 'data', 'lora', 'loss', 'measure', 'model', 'reward', 'rollout', 'tokenizer'):
+for name in ('lib.checkpoint', 'configurator', 'data', 'lib.lora', 'loss', 'lib.measure', 'model', 'reward', 'rollout',
+             'lib.tokenizer'):
     importlib.import_module(name)  # what train.py imports, once for every child
 
 

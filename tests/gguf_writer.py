@@ -5,7 +5,7 @@ k rows reordered for its rotary kernel, norms in float32, the matrices in the qu
 tokenizer as the converter lists it from a family's Hugging Face files (HUBS): a token for every embedding row, with
 [PAD{id}] tokens of type UNUSED where the tokenizer has none (Qwen's 151,936 rows hold 151,665 tokens), the token
 types, tokenizer.ggml.pre, the bos/eos/padding ids, add_bos_token and the chat template. Written independently of
-gguf_file.py (which reads them), so that a mistake in one is not repeated in the other.
+lib/gguf_file.py (which reads them), so that a mistake in one is not repeated in the other.
 tests/fixtures/gguf/make_reference.py uses it too.
 """
 import json

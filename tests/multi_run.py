@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, root)
-import parallelism  # noqa: E402 (the root is on the path only now)
+from lib import parallelism  # noqa: E402 (the root is on the path only now)
 
 end = parallelism.end
 if 'RANK' in os.environ:  # train.py's own init and end become no-ops on the group made here

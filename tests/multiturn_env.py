@@ -5,7 +5,7 @@ in place of each turn."""
 import random
 import zlib
 
-from envs import QwenTools
+from lib.envs import QwenTools
 
 
 class Echo:

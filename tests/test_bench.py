@@ -1,4 +1,4 @@
-"""bench.py runs end to end at a tiny shape, every section, both length settings: a smoke test that keeps the tool
+"""scripts/bench.py runs end to end at a tiny shape, every section, both length settings: a smoke test that keeps the tool
 every speed number in README.md comes from from rotting. Nothing here is timed or compared to a speed."""
 import json
 import math
@@ -17,7 +17,7 @@ TINY = ['--prompts=2', '--G=2', '--prompt_len=16', '--new_tokens=16', '--n_layer
 def test_bench_runs_every_section(tmp_path, lengths):
     out = tmp_path / 'bench.json'
     only = [] if lengths == 'fixed' else ['--only=train_step,iteration']  # the sections that use the lengths
-    p = subprocess.run([sys.executable, 'bench.py', *TINY, f'--lengths={lengths}', f'--json={out}', *only], cwd=ROOT,
+    p = subprocess.run([sys.executable, '-m', 'scripts.bench', *TINY, f'--lengths={lengths}', f'--json={out}', *only], cwd=ROOT,
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -41,7 +41,7 @@ def test_bench_runs_every_section(tmp_path, lengths):
 
 def test_bench_only_runs_the_named_sections(tmp_path):
     out = tmp_path / 'bench.json'
-    p = subprocess.run([sys.executable, 'bench.py', *TINY, '--only=tokenizer', f'--json={out}'], cwd=ROOT,
+    p = subprocess.run([sys.executable, '-m', 'scripts.bench', *TINY, '--only=tokenizer', f'--json={out}'], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert set(json.loads(out.read_text())) == {'machine', 'config', 'peak', 'tokenizer'}

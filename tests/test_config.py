@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-import lora
+from lib import lora
 import sft
 from configurator import ConfigError, check_config, configure
 from loss import check_settings, settings

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from configurator import ConfigError
 from data import default_reward, load_dataset, split_of
 from reward import compute_rewards, get_reward_fns
-from tokenizer import get_tokenizer
+from lib.tokenizer import get_tokenizer
 
 def test_bytes_tokenizer_round_trip():
     enc = get_tokenizer("bytes")

@@ -1,6 +1,6 @@
 """
 The optional packages for real (requirements-extra.txt, which CI installs): a run with wandb_log=True in wandb's
-offline mode logs to wandb exactly what it writes to metrics.jsonl, plot.py draws a PNG from a run's metrics.jsonl,
+offline mode logs to wandb exactly what it writes to metrics.jsonl, scripts/plot.py draws a PNG from a run's metrics.jsonl,
 and without either package the flag or the script fails with one line that says what to install.
 """
 import glob
@@ -102,7 +102,7 @@ def test_plot_draws_a_png_from_a_run(tmp_path):
     from matplotlib import image
     out = tmp_path / 'out'
     run(['config/dr_grpo.py', '--max_iters=2'], out)
-    p = subprocess.run([sys.executable, 'plot.py', str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, 'scripts/plot.py', str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     png = out / 'curves.png'
     assert open(png, 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
@@ -130,7 +130,7 @@ def test_wandb_log_without_wandb_is_one_line(tmp_path, monkeypatch):
 
 def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
     without(tmp_path, monkeypatch, 'matplotlib')
-    p = subprocess.run([sys.executable, 'plot.py', str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, 'scripts/plot.py', str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode != 0
     assert p.stderr.splitlines() == ["error: plot.py needs matplotlib: pip install matplotlib (or pip install -r "

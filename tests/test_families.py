@@ -1,7 +1,7 @@
 """
 The Llama family (Llama, Qwen2, Qwen3) against what Hugging Face transformers computed from the same checkpoints
 (tests/fixtures/tiny-*-a, see their README-modern.md), the KV cache against full recomputation, the checkpoint
-format (hf.py) in and out, and the loader bugs the fixtures are built to expose, planted one at a time.
+format (lib/hf.py) in and out, and the loader bugs the fixtures are built to expose, planted one at a time.
 """
 import json
 import math

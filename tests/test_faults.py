@@ -15,7 +15,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-import checkpoint
+from lib import checkpoint
 import loss
 from model import GPT
 

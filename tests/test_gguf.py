@@ -1,5 +1,5 @@
 """
-Tests for gguf_file.py on tiny GGUFs written here with the gguf package's writer (tests/gguf_writer.py): a Llama, a
+Tests for lib/gguf_file.py on tiny GGUFs written here with the gguf package's writer (tests/gguf_writer.py): a Llama, a
 Qwen2 with q/k/v biases and a Qwen3 with q/k norms, in float and quantized types. The loaded weights are the
 dequantization gguf itself gives, the logits those of the same weights loaded from safetensors, llama.cpp's q/k row
 order is undone (and a file without it is caught), the tokenizer from the metadata tokenizes as the tokenizer.json
@@ -18,12 +18,12 @@ from safetensors.torch import load_file, save_file
 
 gguf = pytest.importorskip("gguf", reason="gguf_file needs the gguf package: pip install gguf")
 
-import gguf_file  # noqa: E402
+from lib import gguf_file  # noqa: E402
 from configurator import ConfigError  # noqa: E402
 from gguf_writer import gguf_name, llama_cpp_order, tiny_model, write_gguf  # noqa: E402
 from model import GPT  # noqa: E402
-from chat import stop_ids  # noqa: E402
-from tokenizer import get_tokenizer, load_hf_tokenizer  # noqa: E402
+from lib.chat import stop_ids  # noqa: E402
+from lib.tokenizer import get_tokenizer, load_hf_tokenizer  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 BPE_REF = os.path.join(HERE, "fixtures", "tiny-bpe-a", "reference.json")

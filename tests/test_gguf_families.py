@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 
 pytest.importorskip("gguf", reason="gguf_file needs the gguf package: pip install gguf")
 
-import gguf_file  # noqa: E402
-from chat import stop_ids  # noqa: E402
+from lib import gguf_file  # noqa: E402
+from lib.chat import stop_ids  # noqa: E402
 from configurator import ConfigError  # noqa: E402
 from gguf_writer import FIXTURES, HUBS, LLAMA3_REGEX, llama_cpp_vocab, tiny_model, write_gguf  # noqa: E402
 from model import GPT  # noqa: E402
 from test_train import metrics, run  # noqa: E402
-from tokenizer import get_tokenizer, load_hf_tokenizer  # noqa: E402
+from lib.tokenizer import get_tokenizer, load_hf_tokenizer  # noqa: E402
 
 with open(os.path.join(FIXTURES, "tiny-bpe-a", "reference.json"), encoding="utf-8") as f:
     CASES = json.load(f)["cases"]

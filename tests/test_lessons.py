@@ -27,7 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from reward import compute_rewards, exact_match, get_reward_fns  # noqa: E402
-from tokenizer import get_tokenizer  # noqa: E402
+from lib.tokenizer import get_tokenizer  # noqa: E402
 
 DOCS = os.path.join(ROOT, "docs")
 SOLUTIONS = os.path.join(DOCS, "solutions")
@@ -39,11 +39,12 @@ _names = itertools.count()
 
 
 def copy_repo(directory):
-    """The repository's top-level .py files (and tests/multi_run.py) copied into directory."""
+    """The repository's top-level .py files, lib/ (and tests/multi_run.py) copied into directory."""
     os.makedirs(os.path.join(directory, "tests"), exist_ok=True)
     for name in os.listdir(ROOT):
         if name.endswith(".py"):
             shutil.copy(os.path.join(ROOT, name), directory)
+    shutil.copytree(os.path.join(ROOT, "lib"), os.path.join(directory, "lib"), ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(ROOT, "tests", "multi_run.py"), os.path.join(directory, "tests"))
     return str(directory)
 

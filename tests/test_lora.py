@@ -1,5 +1,5 @@
 """
-lora.py against independent references: the base model (zero adapters, adapters_off), W x + b + (alpha/r) B A x
+lib/lora.py against independent references: the base model (zero adapters, adapters_off), W x + b + (alpha/r) B A x
 computed by hand per part, the unmerged forward against merged weights, and PEFT's file layout, whose merge into the
 fixtures' own Hugging Face tensors (read from disk, Conv1D transposes included) must give our merged model's weights.
 """
@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import checkpoint
+from lib import checkpoint
 import engine
-import lora
+from lib import lora
 from model import GPT
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import engine
 from configurator import ConfigError
-from cpu_buffers import _buffers
-from head import HeadLogprobs
+from lib.cpu_buffers import _buffers
+from lib.head import HeadLogprobs
 from model import GPT, GPTConfig
 from sampling import sample
 

@@ -159,7 +159,7 @@ def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
     text is the one the environment reads: only the final eos left out, a turn's end inside kept."""
     from types import SimpleNamespace
     from rollout import episodes, score
-    from tokenizer import get_tokenizer
+    from lib.tokenizer import get_tokenizer
     enc = get_tokenizer('bytes')
     cfg = SimpleNamespace(max_turns=2, chat_template='none', eos_ids=[enc.eot_token], max_completion_length=12,
                           num_generations=1)
@@ -185,8 +185,8 @@ def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
 
 
 def test_qwen_tools_answers_a_call_in_a_tool_turn():
-    from chat import render_tool_turn
-    from envs import QwenTools, get_env
+    from lib.chat import render_tool_turn
+    from lib.envs import QwenTools, get_env
     env = get_env('qwen_tools')
     assert isinstance(env, QwenTools)
     call = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "512*347"}}\n</tool_call>'
@@ -197,7 +197,7 @@ def test_qwen_tools_answers_a_call_in_a_tool_turn():
 
 def test_bad_environments_are_one_line_errors():
     from configurator import ConfigError
-    from envs import get_env
+    from lib.envs import get_env
     with pytest.raises(ConfigError, match="unknown environment 'maze'; use one of calculator, qwen_tools"):
         get_env('maze')
     with pytest.raises(ConfigError, match="environment 'nosuchmodule:Maze' cannot be imported"):
@@ -210,9 +210,9 @@ def test_a_stop_string_of_several_tokens_ends_a_turn_where_the_text_ends_with_it
     """The sampler stops a row at every token a stop string can end with; rollout.episodes goes on (an empty
     observation) unless the text then ends with the stop string."""
     from types import SimpleNamespace
-    from envs import get_env, stop_ids
+    from lib.envs import get_env, stop_ids
     from rollout import episodes
-    from tokenizer import get_tokenizer
+    from lib.tokenizer import get_tokenizer
     enc = get_tokenizer('bytes')
     env = get_env('multiturn_env:CalcTags')
     assert stop_ids(env, enc) == [enc.encode_single_token('>')]

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-import tools
-from envs import QwenTools
+from lib import tools
+from lib.envs import QwenTools
 from multiturn_env import hostile_call, junk
-from tools import TOOLS, call_tool, calculator, python, sandbox_problem
+from lib.tools import TOOLS, call_tool, calculator, python, sandbox_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
@@ -56,7 +56,7 @@ def planted():
 @needs_sandbox
 @pytest.mark.parametrize("target", ["planted", "source", "/etc/passwd", "/root/.ssh/id_rsa", "/home"])
 def test_reads_nothing_of_the_host(target, planted):
-    path = {"planted": planted, "source": os.path.join(ROOT, "tools.py")}.get(target, target)
+    path = {"planted": planted, "source": os.path.join(ROOT, "lib/tools.py")}.get(target, target)
     assert attempt(f"print(open({path!r}).read()[:20])") == "FileNotFoundError 2\n"
 
 

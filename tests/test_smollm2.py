@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import gguf_file
+from lib import gguf_file
 from model import GPT
 from test_train import metrics, run
-from chat import SMOLLM2_SYSTEM, render_chat, stop_ids
-from tokenizer import bytes_to_unicode, get_tokenizer, load_hf_tokenizer
+from lib.chat import SMOLLM2_SYSTEM, render_chat, stop_ids
+from lib.tokenizer import bytes_to_unicode, get_tokenizer, load_hf_tokenizer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2")
 with open(os.path.join(FIXTURE, "reference.json"), encoding="utf-8") as f:

@@ -1,5 +1,5 @@
 """
-Tests for tokenizer.py against tests/fixtures/tiny-bpe-a (a Qwen2.5-layout byte-level BPE tokenizer.json and the
+Tests for lib/tokenizer.py against tests/fixtures/tiny-bpe-a (a Qwen2.5-layout byte-level BPE tokenizer.json and the
 ids Hugging Face tokenizers gives for 38 texts): the loaded tiktoken Encoding reproduces them exactly, with special
 tokens allowed and as plain text, and decodes them back; every tokenizer.json that tiktoken could not reproduce is
 refused with one line naming the file; non-special added tokens, the older GPT-2 file layout, and eos_ids. The chat
@@ -17,8 +17,8 @@ import pytest
 import regex
 import tiktoken
 
-from chat import QWEN2_SYSTEM, QWEN25_SYSTEM, check_template, render_chat, stop_ids
-from tokenizer import GPT2_PATTERN, _hf_bpe, _unreachable, bytes_to_unicode, eos_ids, get_tokenizer, load_hf_tokenizer
+from lib.chat import QWEN2_SYSTEM, QWEN25_SYSTEM, check_template, render_chat, stop_ids
+from lib.tokenizer import GPT2_PATTERN, _hf_bpe, _unreachable, bytes_to_unicode, eos_ids, get_tokenizer, load_hf_tokenizer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-bpe-a")
 with open(os.path.join(FIXTURE, "reference.json"), encoding="utf-8") as f:

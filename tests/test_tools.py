@@ -1,5 +1,5 @@
 """
-Tests for tools.py and the tool rendering of chat.py: the calculator against Python's own exact Fraction arithmetic
+Tests for lib/tools.py and the tool rendering of lib/chat.py: the calculator against Python's own exact Fraction arithmetic
 (random expressions, and the refusals, during which eval, exec and compile must not be called); the Python sandbox
 (output, crashes, timeouts, memory, output floods, fork bombs, the uid drop, the environment, the network); Qwen-style
 tool calls and their "error: ..." observations; and render_chat(..., tools=...) and render_tool_turn against
@@ -19,8 +19,8 @@ from fractions import Fraction
 
 import pytest
 
-from chat import QWEN25_SYSTEM, render_chat, render_tool_turn
-from tools import TOOLS, calculator, call_tool, interpreter, parse_tool_call, python, sandbox_problem
+from lib.chat import QWEN25_SYSTEM, render_chat, render_tool_turn
+from lib.tools import TOOLS, calculator, call_tool, interpreter, parse_tool_call, python, sandbox_problem
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen_tools")
 with open(os.path.join(FIXTURE, "reference.json"), encoding="utf-8") as f:

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import measure
+from lib import measure
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,14 +192,24 @@ def test_warm_start_is_cached_while_its_settings_match(tmp_path):
     assert said('--sft_learning_rate=0.01') == 'trained 3 iters'
 
 
-def test_nothing_imports_bench():
-    """Imports run one way: bench.py measures the trainer's modules, none of them depends on it."""
+def imported(path):
+    """The modules a file imports ('from lib import hf' counts as lib.hf)."""
+    tree = ast.parse(open(path).read())
+    return [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
+        [f"{n.module}.{a.name}" if n.module == 'lib' else n.module for n in ast.walk(tree)
+         if isinstance(n, ast.ImportFrom) for a in n.names]
+
+
+def test_imports_run_one_way():
+    """The core (the top level) imports lib/, never scripts/; lib/ imports neither the core nor scripts/."""
+    core = {f[:-3] for f in os.listdir(ROOT) if f.endswith('.py')}
     for f in os.listdir(ROOT):
-        if f.endswith('.py') and f != 'bench.py':
-            tree = ast.parse(open(os.path.join(ROOT, f)).read())
-            names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
-                [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-            assert 'bench' not in names, f
+        if f.endswith('.py'):
+            assert not any(m.startswith('scripts') for m in imported(os.path.join(ROOT, f))), f
+    for f in os.listdir(os.path.join(ROOT, 'lib')):
+        if f.endswith('.py'):
+            bad = [m for m in imported(os.path.join(ROOT, 'lib', f)) if m.split('.')[0] in core | {'scripts'}]
+            assert not bad, f"lib/{f} imports {bad}"
 
 
 def packing_case(case):

@@ -22,9 +22,9 @@ import sys
 
 import torch
 
-from benchmarks.common import SECTIONS as NAMES, build_model, get_args
-from benchmarks.kernels import bench_logprobs, bench_matmul_peak, bench_sampling, bench_train_step
-from benchmarks.runs import bench_iteration, bench_multiturn, bench_scale, bench_start, bench_tokenizer, soak
+from scripts.benchmarks.common import SECTIONS as NAMES, build_model, get_args
+from scripts.benchmarks.kernels import bench_logprobs, bench_matmul_peak, bench_sampling, bench_train_step
+from scripts.benchmarks.runs import bench_iteration, bench_multiturn, bench_scale, bench_start, bench_tokenizer, soak
 
 SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration, bench_multiturn,
             bench_tokenizer, bench_scale, bench_start]

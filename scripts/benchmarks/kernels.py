@@ -4,10 +4,10 @@ import argparse
 import torch
 
 from loss import grpo_loss
-from measure import matmul_peak, timed, timed_rounds
+from lib.measure import matmul_peak, timed, timed_rounds
 from rollout import micro_batches
 from sampling import sample
-from benchmarks.common import (autocast, build_model, decode_flops, generate, grpo_batch, in_fresh_process,
+from scripts.benchmarks.common import (autocast, build_model, decode_flops, generate, grpo_batch, in_fresh_process,
                                make_prompts, timed_peak)
 
 

@@ -1,5 +1,5 @@
 """
-CPU scratch buffers for the output layer's chunks (head.py): speed machinery that changes no number. glibc maps
+CPU scratch buffers for the output layer's chunks (lib/head.py): speed machinery that changes no number. glibc maps
 each allocation over 32 MB afresh and unmaps it when it is freed, so every fresh (rows, vocab) chunk would
 page-fault on its first write; writing into a buffer kept from an earlier chunk does not (docs/performance.md has
 the measurement). The buffers are kept until the process ends: as many as were in use at once.

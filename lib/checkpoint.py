@@ -29,10 +29,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import gguf_file
-import lora
-import parallelism
-from configurator import ConfigError
+from lib import gguf_file
+from lib import lora
+from lib import parallelism
+from lib.errors import ConfigError
 
 
 def fsync_dir(path):

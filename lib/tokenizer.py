@@ -1,9 +1,9 @@
 """
 Hugging Face tokenizers as tiktoken Encodings: load_hf_tokenizer(path) reads a checkpoint's tokenizer.json (or the
-older GPT-2 layout, vocab.json + merges.txt, or a .gguf file's metadata, which gguf_file.py turns into a
+older GPT-2 layout, vocab.json + merges.txt, or a .gguf file's metadata, which lib/gguf_file.py turns into a
 tokenizer.json and the padding tokens llama.cpp's converter adds) and returns a tiktoken Encoding that tokenizes
 exactly as Hugging Face tokenizers does, and eos_ids(path) reads the ids that end a generation. The chat templates
-are chat.py's.
+are lib/chat.py's.
 
 Why tiktoken: its Rust BPE is fast, it is already the project's tokenizer interface (encode_ordinary, encode,
 decode, eot_token, n_vocab), and it saves a dependency on `tokenizers`/`transformers` at run time.
@@ -28,8 +28,8 @@ import numpy as np
 import tiktoken
 from tiktoken.core import raise_disallowed_special_token
 
-import gguf_file
-from configurator import ConfigError
+from lib import gguf_file
+from lib.errors import ConfigError
 
 # the pre-tokenizer regex of GPT-2's ByteLevel(use_regex=true)
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"

@@ -9,8 +9,8 @@ import itertools
 import json
 import os
 
-from configurator import ConfigError
-from tokenizer import eos_ids
+from lib.errors import ConfigError
+from lib.tokenizer import eos_ids
 
 # the system message that Qwen2-Instruct's and Qwen2.5-Instruct's templates insert when the first one is not
 QWEN2_SYSTEM = "You are a helpful assistant."

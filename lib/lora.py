@@ -31,9 +31,9 @@ from torch.nn import functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-import hf
-import parallelism
-from configurator import ConfigError
+from lib import hf
+from lib import parallelism
+from lib.errors import ConfigError
 
 # LoRA's config keys, with their defaults: train.py's config takes them from here. The reference policy of a LoRA
 # run is the base (adapters off): no second copy of the model
@@ -50,7 +50,7 @@ PREFIX = "base_model.model."  # PEFT's wrapper (PeftModel.base_model.model) in f
 
 class LoRALinear(nn.Module):
     """A frozen nn.Linear plus low-rank adapters on some of its row ranges (parts). It holds the linear's own weight
-    and bias Parameters, so the base state-dict keys and hf.py's load and save are unchanged. All parts' A are one
+    and bias Parameters, so the base state-dict keys and lib/hf.py's load and save are unchanged. All parts' A are one
     parameter (parts * r, in): one matmul for every part, then each part's B into its rows."""
 
     def __init__(self, base, parts, rank, alpha, dropout):

@@ -1,16 +1,17 @@
 #!/bin/bash
 # The GPU measurements for a lent GPU, in named parts (each with its own time limit, so one that hangs costs only
-# that): tests (tests/test_cuda.py), probe (a decode step eager vs replayed as a CUDA graph), qwen05 (bench.py at
+# that): tests (tests/test_cuda.py), probe (a decode step eager vs replayed as a CUDA graph), qwen05 (scripts/bench.py at
 # the Qwen2.5-0.5B shape: training step and whole iterations), gsm8k and countdown (the Qwen recipes' iterations on
 # random Qwen2.5-0.5B and 3B weights: speed does not depend on them; a random model never samples eos, so every
 # completion runs to max_completion_length, the slowest case), gpt2 (training steps of GPT-2 124M), qwen05c (the
 # Qwen training step compiled, and at micro-batches of 32; not in the default list). All of them take more than one
 # 10-minute call: 7-9 minutes for tests probe qwen05 gsm8k (tests, never run on a GPU yet, up to 4), 8 for countdown
 # gpt2, qwen05c untimed (a guess: 3-5).
-# $ OUT=gpu_results bash bench_gpu.sh tests probe qwen05 gsm8k   # results in $OUT: log.txt and JSON per part
-# $ GRAPHS=--cuda_graphs OUT=gpu_results bash bench_gpu.sh qwen05 gsm8k   # generate with CUDA graphs (engine.py)
+# $ OUT=gpu_results bash scripts/bench_gpu.sh tests probe qwen05 gsm8k   # results in $OUT: log.txt and JSON per part
+# $ GRAPHS=--cuda_graphs OUT=gpu_results bash scripts/bench_gpu.sh qwen05 gsm8k   # generate with CUDA graphs (engine.py)
 # docs/h200/ holds the first session's output (probe qwen05 gsm8k gpt2, no GRAPHS, without the last gpt2 step)
 set -u
+cd "$(dirname "$0")/.."  # the repository's root: train.py, tests/, python -m scripts.bench
 OUT=${OUT:-gpu_results}
 GRAPHS=${GRAPHS:-}
 GRAPHS_FLAG=$([ -n "$GRAPHS" ] && echo True || echo False)
@@ -27,9 +28,9 @@ tests() { step 240 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda.p
 # casting the float32 weights at every step or reading bf16 copies of them (cuda_graphs.half_weights)
 probe() { step 60 python3 - "$OUT/decode_graph.json" <<'EOF'
 import json, sys, torch
-import cuda_graphs
-from benchmarks import common as bench
-from measure import timed
+from lib import cuda_graphs
+from scripts.benchmarks import common as bench
+from lib.measure import timed
 res = {}
 for preset in ("gpt2", "qwen2.5-0.5b"):
     for rows in (64, 256):
@@ -76,13 +77,13 @@ json.dump(res, open(sys.argv[1], "w"), indent=1)
 EOF
 }
 
-qwen05() { step 150 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
+qwen05() { step 150 python3 -m scripts.bench --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
     --new_tokens 512 --only train_step,iteration --repeat 2 --json "$OUT/qwen05.json" $GRAPHS; }
 
 # the training step alone at the same shape, compiled, and with micro-batches of 32 (is MFU host- or size-bound?)
-qwen05c() { step 200 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
+qwen05c() { step 200 python3 -m scripts.bench --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
     --new_tokens 512 --only train_step --repeat 2 --compile --json "$OUT/qwen05_compile.json"
-step 120 python3 bench.py --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
+step 120 python3 -m scripts.bench --preset qwen2.5-0.5b --device cuda --prompts 8 --G 16 --prompt_len 128 \
     --new_tokens 512 --only train_step --repeat 2 --micro_batch_size 32 --json "$OUT/qwen05_mb32.json"; }
 
 # config/qwen_gsm8k.py as written but eager (no compile): bf16, activation checkpointing, 32 x 8 rows, completions
@@ -112,9 +113,9 @@ step 200 python3 train.py config/qwen_countdown.py --init_from="$TMP/qwen3b" --t
     --compile=False --cuda_graphs=$GRAPHS_FLAG
 cp "$TMP/run_countdown/metrics.jsonl" "$OUT/qwen_countdown_metrics.jsonl" 2>/dev/null; }
 
-gpt2() { step 60 python3 bench.py --preset gpt2 --device cuda --only train_step --json "$OUT/gpt2.json"
-step 120 python3 bench.py --preset gpt2 --device cuda --only train_step --compile --json "$OUT/gpt2_compile.json"
-step 120 python3 bench.py --preset gpt2 --device cuda --only train_step --compile --micro_batch_size 64 \
+gpt2() { step 60 python3 -m scripts.bench --preset gpt2 --device cuda --only train_step --json "$OUT/gpt2.json"
+step 120 python3 -m scripts.bench --preset gpt2 --device cuda --only train_step --compile --json "$OUT/gpt2_compile.json"
+step 120 python3 -m scripts.bench --preset gpt2 --device cuda --only train_step --compile --micro_batch_size 64 \
     --json "$OUT/gpt2_compile_mb64.json"; }
 
 log "machine"

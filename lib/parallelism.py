@@ -63,7 +63,7 @@ def load_whole(model, read):
 def wrap(model, *, device, fsdp, bf16, compile, cuda_graphs=False):
     """The policy ready to train: under FSDP sharded in place, each rank's shards sent by rank 0 (the others built
     it on the meta device); compiled if asked; under torchrun with DDP, wrapped in DistributedDataParallel; on CUDA
-    with cuda_graphs, generate's decode steps replayed as CUDA graphs (cuda_graphs.py). Returns (the module the
+    with cuda_graphs, generate's decode steps replayed as CUDA graphs (lib/cuda_graphs.py). Returns (the module the
     training forward calls, the model itself: what the sampler, the optimizer and checkpoints use)."""
     if fsdp:
         whole = model.state_dict() if dist.get_rank() == 0 else {}

@@ -1,7 +1,7 @@
 """
 GGUF files (llama.cpp's format) in: one .gguf holds a model's architecture, its weights (often quantized) and its
 tokenizer. They are read with the `gguf` package, llama.cpp's own Python reader (optional: pip install gguf), and
-turned into what a Hugging Face directory would hold, so that hf.py and tokenizer.py do the rest with every check
+turned into what a Hugging Face directory would hold, so that lib/hf.py and lib/tokenizer.py do the rest with every check
 they make there:
 
     read_model(path)      -> (config.json's dict, (HF tensor name, file, float32 tensor) triples)
@@ -23,7 +23,7 @@ import os
 import numpy as np
 import torch
 
-from configurator import ConfigError, need_package
+from lib.errors import ConfigError, need_package
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -107,7 +107,7 @@ def _llama3_rope(path, freqs, theta, head_dim):
     return rope
 
 def _hf_name(name):
-    """The Hugging Face name of GGUF tensor name; one it does not know is left as it is (hf.py then refuses it)."""
+    """The Hugging Face name of GGUF tensor name; one it does not know is left as it is (lib/hf.py then refuses it)."""
     part = name.split(".")
     if part[0] == "blk" and len(part) == 4:
         return f"model.layers.{part[1]}.{BLOCK.get(part[2], part[2])}.{part[3]}"
@@ -120,7 +120,7 @@ def _embedding_rows(path, tensors):
     tokens = 0 if field is None else len(field.data)  # counted, not read: 151,936 strings take a while
     embd = tensors.get("token_embd.weight")
     if embd is None:
-        return tokens or None  # hf.py names the missing tensor
+        return tokens or None  # lib/hf.py names the missing tensor
     rows = int(embd.shape[-1])  # gguf lists a tensor's dimensions innermost first: (columns, rows)
     if tokens > rows:
         raise ConfigError(f"{path}: the tokenizer has {tokens} tokens but token_embd.weight {rows} rows, so ids "

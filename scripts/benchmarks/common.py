@@ -16,10 +16,10 @@ from contextlib import nullcontext
 
 import torch
 
-from measure import memory_mb, timed
+from lib.measure import memory_mb, timed
 from model import GPT, GPTConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py, tests/
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: train.py
 # after the peak, which always runs
 SECTIONS = ("sampling", "logprobs", "train_step", "iteration", "multiturn", "tokenizer", "scale", "start")
 

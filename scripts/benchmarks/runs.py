@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-import lora
-import tools
-from measure import timed
-from tokenizer import _hf_bpe, bytes_to_unicode, get_tokenizer, load_hf_tokenizer
-from benchmarks.common import ROOT, autocast, build_model, grpo_batch, make_prompts, run_train
+from lib import lora
+from lib import tools
+from lib.measure import timed
+from lib.tokenizer import _hf_bpe, bytes_to_unicode, get_tokenizer, load_hf_tokenizer
+from scripts.benchmarks.common import ROOT, autocast, build_model, grpo_batch, make_prompts, run_train
 
 
 PHASES = ("generate", "reward", "logprobs", "backward", "optimizer", "comm")  # train.py's time/ metrics

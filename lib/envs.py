@@ -18,9 +18,9 @@ row's observations as a column.
 """
 import functools
 
-import tools
-from chat import render_tool_turn
-from configurator import ConfigError, import_named
+from lib import tools
+from lib.chat import render_tool_turn
+from lib.errors import ConfigError, import_named
 
 
 class Calculator:

@@ -2,12 +2,12 @@
 The output layer's log-probs of given tokens, and each position's entropy, computed in chunks of rows with a
 hand-written backward (HeadLogprobs), so that neither a (B, T, vocab) float32 tensor nor a (V, C) weight gradient per
 chunk ever exists. model.py's logprobs() calls it. On CPU each chunk is written into a buffer kept for reuse
-(cpu_buffers.py): speed machinery that changes no number.
+(lib/cpu_buffers.py): speed machinery that changes no number.
 """
 
 import torch
 
-from cpu_buffers import scratch
+from lib.cpu_buffers import scratch
 
 def _like(x, rows, dtype=None):
     """A scratch buffer shaped like x (n, V), in x's dtype or dtype."""

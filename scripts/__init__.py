@@ -1,0 +1,1 @@
+"""Scripts around the trainer, run from the repository's root: python -m scripts.bench, python scripts/plot.py, ..."""
