@@ -18,7 +18,9 @@ import sys
 
 import torch
 
-from lib.errors import ConfigError, import_named, need_package  # lib's, and the core's through here
+from loss import check_settings
+from sampling import check_sampling
+from lib.errors import ConfigError
 
 
 def one_line_errors(kind, value, tb):
@@ -95,7 +97,7 @@ def configure(defaults, argv):
 
 def check_config(c, world_size, distributed=False):
     """Reject combinations that cannot work, before any work starts. c: the config dict; distributed: under torchrun.
-    The loss's settings are loss.check_settings's to check (train.py calls both)."""
+    Then the loss's settings (loss.check_settings) and the sampler's (sampling.check_sampling), each checked there."""
     def need(ok, msg):
         if not ok:
             raise ConfigError(msg)
@@ -155,6 +157,8 @@ def check_config(c, world_size, distributed=False):
     need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] != 0,  # None: 400 from scratch
          "beta > 0 needs a reference policy worth staying close to, but init_from='scratch' with sft_iters=0 "
          "starts from random weights; set sft_iters > 0, init_from a checkpoint directory, or beta=0")
+    check_settings(c)
+    check_sampling(c['top_k'], c['top_p'])
 
 
 def check_device(device):

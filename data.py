@@ -9,7 +9,10 @@ chat template), so it already is the task's template: a built-in task for a tiny
 Countdown and GSM8K ask in words for the answer in a \\boxed{}, a JSON Lines user writes it however they like.
 
 Every dataset has a "train" split and a disjoint held-out "test" split. A problem's split is decided by a hash
-of its prompt, so the same problem can never land in both, whatever the seed or the size asked for.
+of the problem, so the same problem can never land in both, whatever the seed or the size asked for: of its prompt,
+or, where a task asks one problem in several ways, of what they share (times_table: the pair of factors, whichever
+way round and however worded; sort: the numbers, in whatever order), so a held-out question is never trained on in
+other words.
 """
 import hashlib
 import inspect
@@ -19,22 +22,35 @@ import math
 import os
 import random
 
-from lib.chat import encode_prompt
-from configurator import ConfigError
 from reward import RESERVED_COLUMNS, get_reward_fns, to_number
+from lib.chat import encode_prompt
+from lib.errors import ConfigError
 
 TEST_PERCENT = 10  # share of all problems, by prompt hash, held out for evaluation
+SMALL_TASK = 1000  # a built-in task of at most this many problems holds out exactly TEST_PERCENT (_held_out)
 DEFAULT_SIZE = {"train": 10000, "test": 500}
 ROW_EXAMPLE = '{"prompt": "2+2=", "answer": "4"}'
 # what GSM8K's question is followed by: the wording Qwen2.5-Math and DeepSeek-R1 were trained and evaluated with,
 # so instruct models already answer in the form the boxed reward and the answer extractor read
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
+def _hash(prompt):
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)  # a list of chat messages
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
 def split_of(prompt):
     """'test' for the TEST_PERCENT of prompts whose hash falls there, else 'train'."""
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)  # a list of chat messages
-    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-    return "test" if h % 100 < TEST_PERCENT else "train"
+    return "test" if _hash(prompt) % 100 < TEST_PERCENT else "train"
+
+def _key(row):
+    """What a built-in task's row is split by: its problem ('_problem', taken out of the row), else its prompt."""
+    return row.pop("_problem", row["prompt"])
+
+def _held_out(keys):
+    """A task of few problems holds out exactly TEST_PERCENT of them, those whose hash is smallest: by the hash's
+    threshold alone the share would stray far from it (times_table has 66 pairs of factors: 1 to 12 of them)."""
+    ranked = sorted(set(keys), key=_hash)
+    return set(ranked[:max(1, round(len(ranked) * TEST_PERCENT / 100))])
 
 # -----------------------------------------------------------------------------
 # built-in tasks. Each takes its options and returns (count, problem): problem(i) is the i-th of `count`
@@ -51,11 +67,13 @@ def addition(digits=2):
     return n * n, problem
 
 def sort(length=4, digits=1):
-    """'sort 3 9 1 4:' -> '1 3 4 9': `length` numbers below 10**digits, in ascending order."""
+    """'sort 3 9 1 4:' -> '1 3 4 9': `length` numbers below 10**digits, in ascending order; the split goes by the
+    numbers, so no order of a held-out list is trained."""
     n = 10 ** digits
     def problem(i):
         xs = [i // n ** k % n for k in range(length)]  # the base-n digits of i
-        return {"prompt": f"sort {' '.join(map(str, xs))}:", "answer": " ".join(map(str, sorted(xs)))}
+        answer = " ".join(map(str, sorted(xs)))
+        return {"prompt": f"sort {' '.join(map(str, xs))}:", "answer": answer, "_problem": answer}
     return n ** length, problem
 
 def _countdown_solution(rng, numbers, max_target):
@@ -101,12 +119,14 @@ TIMES_QUESTIONS = ("What is {a} times {b}?", "What is {a} * {b}?", "Multiply {a}
 def times_table(max_factor=12):
     """'What is 7 times 8?' -> '56': the times table from 2 x 2 to max_factor x max_factor, each product asked in the
     four ways of TIMES_QUESTIONS, for a chat model to answer in its own words (config/smollm2.py; the reward reads
-    the last number of the answer)."""
+    the last number of the answer). The split goes by the pair of factors: a held-out product is never trained, in
+    any wording, either way round."""
     n = max_factor - 1
     def problem(i):
         a, b = divmod(i // len(TIMES_QUESTIONS), n)
         question = TIMES_QUESTIONS[i % len(TIMES_QUESTIONS)]
-        return {"prompt": question.format(a=a + 2, b=b + 2), "answer": str((a + 2) * (b + 2))}
+        return {"prompt": question.format(a=a + 2, b=b + 2), "answer": str((a + 2) * (b + 2)),
+                "_problem": f"{min(a, b) + 2} x {max(a, b) + 2}"}
     return len(TIMES_QUESTIONS) * n * n, problem
 
 def multiplication(digits=3):
@@ -140,6 +160,7 @@ def _task_rows(name, split, seed, size, options):
     count, problem = TASKS[name](**options)
     rng = random.Random(seed)
     share = TEST_PERCENT if split == "test" else 100 - TEST_PERCENT  # percent of the problems in this split
+    held = _held_out(_key(problem(i)) for i in range(count)) if count <= SMALL_TASK else None
     if count <= 1 << 16:
         order = rng.sample(range(count), count)  # small space: shuffle all of it, so `size` caps at what there is
     elif size > count * share // 200:  # past half of the split, draws would mostly hit problems already drawn
@@ -153,7 +174,9 @@ def _task_rows(name, split, seed, size, options):
         if len(rows) == size:
             break
         row = problem(i)
-        if row["prompt"] not in seen and split_of(row["prompt"]) == split:
+        key = _key(row)
+        test = key in held if held is not None else split_of(key) == "test"
+        if row["prompt"] not in seen and test == (split == "test"):
             seen.add(row["prompt"])
             rows.append(row)
     return rows

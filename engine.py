@@ -10,15 +10,12 @@ model.decode_graphs (train.py's cuda_graphs) the steps are replayed as CUDA grap
 cache is kept across calls, grown to the largest batch and sequence seen, since a graph reads the addresses it was
 captured with.
 """
-import functools
 import weakref
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 
 import torch
 
-from lib import cuda_graphs
 from sampling import check_sampling, sample
+from lib import cuda_graphs, multiturn
 
 _CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the module, so state_dict and deepcopy skip it
 
@@ -41,9 +38,9 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     was_training = model.training
     model.eval()
     try:
-        with ThreadPoolExecutor(turn_workers) if turns is not None and turn_workers > 1 else nullcontext() as pool:
+        with multiturn.observer(turns, turn_workers) as observe:  # None: one turn
             return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator,
-                             turns and functools.partial(_observe, turns, pool))
+                             observe)
     finally:
         model.train(was_training)
         if not model.decode_graphs:  # only the graphs need the cache where it was
@@ -114,7 +111,7 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
         tokens.index_put_((at, live), tok)
         logps.index_put_((at, live), lp)
         if turns is not None:
-            tok, lp, done, ahead = _end_turns(turns, model, live=live, tok=tok, lp=lp, j=j, done=done, eos=eos,
+            tok, lp, done, ahead = multiturn.end_turns(turns, model, live=live, tok=tok, lp=lp, j=j, done=done, eos=eos,
                                               kv=kv, key_mask=key_mask, lens=lens, P=P, tokens=tokens,
                                               observed=observed, last=last)
             top = max(top, ahead)
@@ -156,65 +153,3 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     return tokens[:, :L].contiguous(), mask[:, :L].contiguous(), logps[:, :L].contiguous()
 
 
-# -----------------------------------------------------------------------------
-# multi-turn: a row that ends a turn (its newest token is an eos id) gets the observation turns(row, its tokens so
-# far) returns. That token and the observation's but the last go into the row's cache in one forward of the new
-# tokens only (the rows that end a turn at the same step together); the observation's last token is then the row's
-# newest, which the next decode step feeds like any other, sampling the row's own next token from it. The row goes
-# on with the others, ahead of them in its cache.
-
-def _end_turns(turns, model, *, live, tok, lp, j, done, eos, kv, key_mask, lens, P, tokens, observed, last):
-    """Call turns for the live rows whose newest token ends a turn and read in what it returns (an observation
-    that runs past the last step is cut there and its row ends). Returns tok, lp and done, updated, and the largest
-    j of a row that read one (0 if none); j, tokens, observed and last change in place."""
-    M = tokens.size(0) - 1
-    ends = (torch.isin(tok, eos) & ~done & ~observed[j, live]).nonzero().squeeze(1).tolist()  # the row's own eos
-    if not ends:
-        return tok, lp, done, 0
-    reading, done, tok, lp = {}, done.clone(), tok.clone(), lp.clone()
-    rows = [int(live[b]) for b in ends]
-    observations = turns(rows, [tokens[:int(j[b]) + 1, row].tolist() for b, row in zip(ends, rows)])
-    for b, row, observation in zip(ends, rows, observations):
-        n = int(j[b])
-        if observation is None:
-            done[b], last[row] = True, n
-            continue
-        if n + len(observation) >= M - 1:  # no room left for the row's own tokens: cut, and the row ends
-            observation, done[b] = observation[:M - 1 - n], True
-        tokens[n + 1:n + 1 + len(observation), row] = torch.tensor(observation, dtype=tokens.dtype)
-        observed[n + 1:n + 1 + len(observation), row] = True
-        if observation and not done[b]:  # the turn's last token and the observation's but the last, from P + n
-            reading[b] = (P + n, [int(tok[b])] + list(observation[:-1]))
-            tok[b], lp[b], j[b] = observation[-1], 0.0, n + len(observation)
-    if not reading:
-        return tok, lp, done, 0
-    b = torch.tensor(list(reading), device=tok.device)
-    cols, chunks = zip(*reading.values())
-    _read(model, list(chunks), rows=b, kv=kv, key_mask=key_mask, col=torch.tensor(cols, device=tok.device),
-          lens=lens[b], P=P)
-    return tok, lp, done, int(j[b].max())
-
-
-def _observe(turns, pool, rows, ids):
-    """turns(row, ids) of each row that ends a turn at this step, from the pool's threads where there is one (a
-    tool that runs a program waits in a subprocess, not holding the GIL), the observations in the rows' order."""
-    return list((pool.map if pool else map)(turns, rows, ids))
-
-
-def _read(model, chunks, *, rows, kv, key_mask, col, lens, P):
-    """One forward of the new tokens of rows (r,) of the cache (chunks: r token lists, from cache column col (r,)
-    on), for their keys and values only: into those rows' cache."""
-    r, T, dev = len(chunks), max(map(len, chunks)), rows.device
-    idx = torch.tensor([c + c[-1:] * (T - len(c)) for c in chunks], device=dev)  # (r, T): padding after the end
-    at = col[:, None] + torch.arange(T, device=dev)  # (r, T) the columns written; the padding's, past the end
-    sub = [tuple(torch.cat((x[rows], x.new_zeros(r, x.size(1), T, x.size(3))), 2) for x in layer)
-           for layer in kv]  # the rows' caches, copied, with room for the padding
-    S = sub[0][0].size(2)
-    mask = torch.cat((key_mask[rows], key_mask.new_zeros(r, T)), 1)[:, None, :] & \
-        (torch.arange(S, device=dev) <= at[:, :, None])  # (r, T, S) causal, within each row
-    pos = (lens[:, None] + at - P).clamp(max=model.config.block_size - 1)  # the padding's may run past the end
-    model.hidden(idx, pos=pos, kv=sub, col=col, key_mask=mask[:, None])
-    i, t = torch.tensor([(i, t) for i, c in enumerate(chunks) for t in range(len(c))], device=dev).t()  # not padding
-    for layer, copied in zip(kv, sub):  # the new columns back into the cache
-        for x, y in zip(layer, copied):
-            x[rows[i], :, at[i, t]] = y[i, :, at[i, t]]

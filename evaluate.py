@@ -5,10 +5,10 @@ evaluate every eval_interval iterations; its warm start asks greedy_hits when it
 """
 import torch
 
-from lib.measure import ticker
-from lib.parallelism import all_sum, gathered
 from reward import pass_at_k
 from rollout import prompt_seed, sample, score
+from lib.measure import ticker
+from lib.parallelism import all_sum, gathered
 
 
 @torch.no_grad()

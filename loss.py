@@ -74,7 +74,7 @@ import math
 
 import torch
 
-from configurator import ConfigError
+from lib.errors import ConfigError
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")

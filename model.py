@@ -21,11 +21,10 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import engine
-from lib import gguf_file
-from lib import hf
-from configurator import ConfigError
-from lib.head import HeadLogprobs
 from sampling import sample
+from lib import gguf_file, hf
+from lib.errors import ConfigError
+from lib.head import HeadLogprobs
 
 class RMSNorm(nn.Module):
 

@@ -17,7 +17,7 @@ import numbers
 import re
 from fractions import Fraction
 
-from configurator import ConfigError, import_named
+from lib.errors import ConfigError, import_named
 
 # names the rollout passes to reward functions itself, so a dataset column may not use them
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_completion_length", "truncated", "observations")

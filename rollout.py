@@ -23,13 +23,13 @@ from contextlib import nullcontext
 
 import torch
 
-from lib.lora import adapters_off, has_adapters, merged
 from loss import decoupled_advantages, entropy_threshold, group_advantages, kl_divergence
+from reward import compute_rewards
+from lib import multiturn
+from lib.chat import encode_prompt, text_of
+from lib.lora import adapters_off, has_adapters, merged
 from lib.measure import lap
 from lib.parallelism import gather, gathered
-from reward import compute_rewards
-from lib.chat import encode_prompt
-from lib.envs import stop_ids
 
 
 def prompt_seed(*key):
@@ -74,41 +74,6 @@ def last_counted(mask):
     return (mask * torch.arange(1, mask.size(1) + 1, device=mask.device)).amax(1)
 
 
-def episodes(env, rows, G, cfg, enc):
-    """A multi-turn generate's turns callback (engine.py) and the record of each row's episode: after each turn the
-    policy ends, env.step(row, text) gives the observation to append (text is the trajectory so far: the policy's
-    turns and the observations between them) or None, the end of the episode, as is reaching max_turns turns."""
-    record = [dict(observations=[], finished=False) for _ in range(len(rows) * G)]
-    stops = tuple(getattr(env, 'stop', ()))
-
-    def turns(i, ids):
-        seen, text = record[i]['observations'], text_of(ids, cfg, enc)
-        if ids[-1] not in cfg.eos_ids and not text.endswith(stops):
-            return []  # a token a stop string of several ends with, but not the end of one: the turn goes on
-        observation = env.step(rows[i // G], text) if len(seen) + 1 < cfg.max_turns else None
-        if observation is None:
-            record[i]['finished'] = True
-            return None
-        seen.append(observation)
-        return encode_observation(observation, cfg, enc)
-    return turns, record
-
-
-def text_of(ids, cfg, enc):
-    """The text of a trajectory's tokens, as the environment and the reward functions read it: its final eos left out
-    (a stop token kept, and the eos ids inside it, such as the end of a chat turn), and ids past the tokenizer's
-    vocabulary, which a padded output layer can sample."""
-    ids = ids[:-1] if ids and ids[-1] in cfg.eos_ids else ids
-    return enc.decode([x for x in ids if x < enc.n_vocab])
-
-
-def encode_observation(text, cfg, enc):
-    """An observation's token ids: under a chat template its turn's special tokens are theirs. A lone surrogate (a
-    tool can echo one from the model's JSON) becomes '?': the tokenizer takes UTF-8 only."""
-    text = text.encode('utf-8', errors='replace').decode('utf-8')
-    return enc.encode_ordinary(text) if cfg.chat_template == 'none' else enc.encode(text, allowed_special='all')
-
-
 def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     """Sample completions for rows (dicts with 'prompt'); returns prompt ids, (N, C) tokens, mask, logps and, with
     an environment (cfg.environment), each row's episode (else None)."""
@@ -123,8 +88,8 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     merge = merged(model) if has_adapters(model) and not cfg.autocast else nullcontext()
     turns, record, ends = None, None, cfg.eos_ids
     if cfg.environment is not None:  # a turn also ends at the environment's own stop strings
-        turns, record = episodes(cfg.environment, rows, G, cfg, enc)
-        ends = cfg.eos_ids + stop_ids(cfg.environment, enc)
+        turns, record = multiturn.episodes(cfg.environment, rows, G, cfg, enc)
+        ends = cfg.eos_ids + multiturn.stop_ids(cfg.environment, enc)
     with merge, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
         tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
                                              top_p=cfg.top_p, eos_id=ends, generator=gens, turns=turns,

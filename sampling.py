@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from configurator import ConfigError
+from lib.errors import ConfigError
 
 
 def check_sampling(top_k, top_p):

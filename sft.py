@@ -11,14 +11,13 @@ import time
 
 import torch
 
-from lib import checkpoint
-from lib import parallelism
 from evaluate import greedy_hits
-from lib.measure import ticker
 from model import GPT
-from lib.parallelism import all_sum, full_state_dict, gathered
+from rollout import pack, prompt_seed
+from lib import checkpoint, multiturn, parallelism
 from lib.chat import encode_prompt
-from rollout import encode_observation, pack, prompt_seed
+from lib.measure import ticker
+from lib.parallelism import all_sum, full_state_dict, gathered
 
 # the warm start's config keys, with their defaults: train.py's config takes them from here
 SETTINGS = dict(
@@ -43,7 +42,7 @@ def target(row, cfg, enc):
     for k, turn in enumerate(turns or [row['answer']]):
         if k:  # what the environment answers to the turns so far
             observation = cfg.environment.step(row, text)
-            seen = encode_observation(observation, cfg, enc)
+            seen = multiturn.encode_observation(observation, cfg, enc)
             ids, own, text = ids + seen, own + [0] * len(seen), text + observation
         mine = enc.encode_ordinary(turn)
         ids, own, text = ids + mine, own + [1] * len(mine), text + turn

@@ -5,12 +5,11 @@ $ python train.py config/dr_grpo.py  # one process (CPU or one GPU)
 $ torchrun --standalone --nproc_per_node=2 train.py config/dr_grpo.py  # DDP: gloo on CPU, nccl on GPUs
 (several machines: torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 ...)
 
-Per iteration: prompts_per_step prompts (split across ranks) x num_generations completions = the rollout batch, cut
-into steps_per_generation optimizer steps over micro-batches of micro_batch_size on each rank (gradient
-accumulation), all repeated num_iterations (mu) times. loss.py's normalisers are summed over ranks and
-micro-batches: 1 GPU with 8 accumulation steps and 8 GPUs with 1 give the same parameters.
+Per iteration: prompts_per_step prompts (over the ranks) x num_generations completions = the rollout batch, cut into
+steps_per_generation optimizer steps over micro-batches of micro_batch_size on each rank (gradient accumulation),
+all num_iterations (mu) times. The loss's normalisers sum over ranks and micro-batches: 1 GPU with 8 accumulation
+steps and 8 GPUs with 1 give the same parameters.
 """
-import json
 import math
 import os
 import sys
@@ -19,21 +18,18 @@ from types import SimpleNamespace
 
 import torch
 
-from lib import checkpoint
-from lib import lora
-from lib import parallelism
-import sft
-from lib.chat import stop_ids
-from configurator import check_config, check_device, configure, need_package, one_line_errors
+from configurator import check_config, check_device, configure, one_line_errors
 from data import load_task
-from lib.envs import get_env
 from evaluate import evaluate, report
-from loss import check_settings, grpo_loss, settings as loss_settings
-from lib.measure import fastest_dtype, iteration_line, matmul_peak, memory_mb, mfu, phase
+from loss import grpo_loss, settings as loss_settings
 from model import GPT, GPTConfig
-from lib.parallelism import all_sum, full, gathered
 from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
-from sampling import check_sampling
+import sft
+from lib import checkpoint, lora, multiturn, parallelism
+from lib.chat import stop_ids
+from lib.errors import need_package
+from lib.measure import fastest_dtype, iteration_line, log, matmul_peak, memory_mb, mfu, phase
+from lib.parallelism import all_sum, full, gathered
 from lib.tokenizer import get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -125,9 +121,7 @@ distributed, rank, world_size, device = parallelism.init(device)  # under torchr
 checkpoint.catch_stop_signals()  # SIGTERM or Ctrl-C: a checkpoint at the next iteration boundary
 device_type, master = 'cuda' if 'cuda' in device else 'cpu', rank == 0
 sft_iters = config['sft_iters'] = sft.default_iters(init_from) if sft_iters is None else sft_iters
-check_config(config, world_size, distributed)
-check_settings(config)
-check_sampling(top_k, top_p)
+check_config(config, world_size, distributed)  # and the loss's settings, and the sampler's
 state = checkpoint.load_state(out_dir, parallel, world_size) if init_from == 'resume' else None
 tokenizer = config['tokenizer'] = tokenizer or checkpoint.default_tokenizer(init_from, state)
 if dtype == 'auto':  # rank 0 measures, so that every rank computes in the same dtype
@@ -143,7 +137,7 @@ loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL i
 enc = get_tokenizer(tokenizer)
 cfg.eos_ids = stop_ids(enc, chat_template, tokenizer)  # and the template's special tokens checked
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
-cfg.environment = get_env(env, sandbox) if env else None
+cfg.environment = multiturn.environment(env, sandbox) if env else None
 wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # optional: only when asked for
 train_rows, test_rows, reward_fns, reward_weights = load_task(cfg, enc)
 
@@ -166,8 +160,11 @@ if lora_rank:  # the adapters' random A is drawn from the seeded generator: the 
 bf16 = device_type == 'cuda' and dtype == 'bfloat16'  # FSDP's mixed precision: bf16 compute copies
 model, raw_model = parallelism.wrap(model, device=device, fsdp=fsdp, bf16=bf16, compile=compile,
                                     cuda_graphs=cuda_graphs)
-make_optimizer = lambda lr: raw_model.configure_optimizer(lr=lr, weight_decay=weight_decay, betas=(beta1, beta2),
-                                                          fused=device_type == 'cuda')
+
+
+def make_optimizer(lr):
+    return raw_model.configure_optimizer(lr=lr, weight_decay=weight_decay, betas=(beta1, beta2),
+                                         fused=device_type == 'cuda')
 
 
 def get_lr(step):
@@ -182,28 +179,28 @@ def get_lr(step):
 
 def forward_backward(mb, num_sequences, num_tokens):
     """One micro-batch (rows packed: rollout.micro_batches): its log-probs and entropies, grpo_loss, backward.
-    Returns the loss's stats and what it ran: (tokens in the sequences, tokens not padding, model FLOPs)."""
+    Returns the loss's stats and what it ran: tokens in its sequences, those not padding, model FLOPs."""
     with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
         need = last_counted(mb['mask'])  # (b,) the output layer runs up to the last token the loss counts only
         logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1], temperature=temperature,
                                entropy=True, lengths=need, pos=mb['pos'])
-    as_logps = lambda key: mb[key].to(logps.dtype)
-    loss, stats = grpo_loss(logps, None if cfg.on_policy else as_logps('old_logps'), mb.get('ref_logps'),
-                            as_logps('advantages'), mb['mask'], **loss_config, num_sequences=num_sequences,
-                            num_tokens=num_tokens, sampler_logps=as_logps('sampler_logps'), entropy=entropy,
-                            entropy_mask=mb.get('entropy_mask'))
+    old, advantages, sampler = (mb[k].to(logps.dtype) for k in ('old_logps', 'advantages', 'sampler_logps'))
+    loss, stats = grpo_loss(logps, None if cfg.on_policy else old, mb.get('ref_logps'), advantages, mb['mask'],
+                            **loss_config, num_sequences=num_sequences, num_tokens=num_tokens, sampler_logps=sampler,
+                            entropy=entropy, entropy_mask=mb.get('entropy_mask'))
     (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss contract wants the sum
     (b, T), n = mb['idx'].shape, int(need.sum())
-    return stats, (b * T, mb['tokens'], raw_model.update_flops(b, T, n / b))
+    return stats, dict(tokens=b * T, placed=mb['tokens'], flops=raw_model.update_flops(b, T, n / b))
 
 
-def policy_update(batch, times):
+def policy_update(batch, times, step):
     """num_iterations passes of steps_per_generation optimizer steps over this rank's rollout batch, each step over
-    micro-batches (gradient accumulation). Returns the stats to log, over every rank; adds each phase's seconds to
-    times ('comm' has parts in the rollout too)."""
-    global step
+    micro-batches (gradient accumulation), the first of them the run's step `step`. Returns the stats to log, over
+    every rank, and the run's optimizer steps so far; adds each phase's seconds to times ('comm' has parts in the
+    rollout too)."""
     rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
-    sums, ran, bad = {}, torch.zeros(4, dtype=torch.float64), 0  # ran: tokens run, not padding, the rows' own; FLOPs
+    # what ran: tokens in the sequences, those not padding, the rows' own (a prompt shared by rows counts for each)
+    sums, bad, ran = {}, 0, dict(tokens=0.0, placed=0.0, own=0.0, flops=0.0)
     for _ in range(num_iterations):
         for s in range(steps_per_generation):
             part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
@@ -211,12 +208,12 @@ def policy_update(batch, times):
                 num_tokens = all_sum(part['mask'].sum().float())  # the step's normaliser, the same on every rank
                 if top_entropy_quantile < 1:
                     part['entropy_mask'] = top_entropy_mask(raw_model, part, cfg)
-            ran[2] += (part['start'] + part['mask'].sum(1)).sum().item()  # the rows' prompt and completion tokens
+            ran['own'] += (part['start'] + part['mask'].sum(1)).sum().item()  # the rows' prompt and completion
             with phase(times, 'backward', device):  # forward + backward; DDP's all-reduce overlaps the last one
                 for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):
                     parallelism.set_grad_sync(model, m == rows // micro_batch_size - 1)  # reduce on the last only
-                    stats, (tokens, placed, flops) = forward_backward(mb, rows * world_size, num_tokens)
-                    ran += torch.tensor([tokens, placed, 0, flops], dtype=torch.float64)
+                    stats, counts = forward_backward(mb, rows * world_size, num_tokens)
+                    ran.update({k: ran[k] + v for k, v in counts.items()})
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v.detach().double()
             with phase(times, 'optimizer', device):
@@ -232,22 +229,23 @@ def policy_update(batch, times):
                 optimizer.zero_grad(set_to_none=True)
     n = num_iterations * steps_per_generation * (rows // micro_batch_size) * world_size  # micro-batches in all
     stats = dict(zip(sums, (all_sum(torch.stack(list(sums.values()))) / n).tolist()))
-    tokens, placed, own, flops = all_sum(ran).tolist()
+    ran = dict(zip(ran, all_sum(torch.tensor(list(ran.values()), dtype=torch.float64)).tolist()))  # over ranks
     # the padding's share of what ran, and the share of the rows' tokens a shared prompt saved
-    return dict(stats, grad_norm=norm.item(), lr=get_lr(max(step - 1, 0)), flops=flops, train_tokens=tokens,
-                pad_share=1 - placed / tokens, saved_share=1 - placed / own, bad_steps=bad)
+    return dict(stats, grad_norm=norm.item(), lr=get_lr(max(step - 1, 0)), flops=ran['flops'],
+                train_tokens=ran['tokens'], pad_share=1 - ran['placed'] / ran['tokens'],
+                saved_share=1 - ran['placed'] / ran['own'], bad_steps=bad), step
 
 
 def save(it):
-    """Checkpoint the state before iteration it (never right after a skipped step: the latest is always good)."""
-    global saved_it
+    """Checkpoint the state before iteration it (never right after a skipped step: the latest is always good).
+    Returns it: the run's last checkpoint now."""
     parallelism.check_replicas(raw_model, it)
     # LoRA: the base is frozen, so the run's last checkpoint (saved or resumed from) holds ours: link its files
     base_from = checkpoint.ckpt_dir(out_dir, saved_it) if lora_rank and saved_it is not None else None
     checkpoint.save(out_dir, it, model=raw_model, optimizer=optimizer, ref_model=ref_model,
                     trainer_state=dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size),
                     tokenizer_dir=tokenizer_dir, save_merged=lora_save_merged, base_from=base_from)
-    saved_it = it
+    return it
 
 
 def stop_if_signalled(it):
@@ -261,22 +259,9 @@ def stop_if_signalled(it):
         save(it)
     if master:
         print(checkpoint.stopped_message(sig, it, out_dir, world_size), flush=True)
-    finish(128 + sig)
-
-
-def finish(code=0):
     if master and wandb:
         wandb.finish()
-    parallelism.end(code)
-
-
-def log(metrics, line):
-    if master:
-        print(line, flush=True)
-        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
-            f.write(json.dumps(metrics) + '\n')
-        if wandb:
-            wandb.log(metrics, step=metrics["iter"])  # the x-axis is the iteration, eval and train alike
+    parallelism.end(128 + sig)
 
 
 def log_iteration(it, info, stats, clock, mem_mb):
@@ -288,7 +273,8 @@ def log_iteration(it, info, stats, clock, mem_mb):
              dt=clock[2] - clock[0], mem_mb=mem_mb, **parallelism.resident_mb(raw_model, optimizer, ref_model),
              **stats, **{f'time/{k}': v for k, v in info['time'].items()})
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
-    log(m, iteration_line(m, max_iters=max_iters, eta=eta, reward_fns=reward_fns))
+    if master:
+        log(m, iteration_line(m, max_iters=max_iters, eta=eta, reward_fns=reward_fns), out_dir=out_dir, wandb=wandb)
 
 
 # -----------------------------------------------------------------------------
@@ -304,11 +290,16 @@ if init_from == 'resume':
 elif sft_iters > 0:
     sft.warm_start(model, raw_model, optimizer=make_optimizer(sft_learning_rate), rows=train_rows, cfg=cfg, enc=enc,
                    reward_fn=reward_fns[0], rank=rank)
-# the reference is the policy RL starts from, frozen (refreshed every ref_sync_every iterations); with LoRA it is the
-# policy itself, whose log-probs rollout.py computes with the adapters off
-saved = lambda: GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict()
-ref_model = None if beta == 0 else raw_model if lora_rank else parallelism.frozen_copy(
-    raw_model, device=device, dtype=param_dtype, bf16=bf16, read=saved if init_from == 'resume' else None)
+# the reference: the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
+if beta == 0:
+    ref_model = None  # no KL term: no reference
+elif lora_rank:
+    ref_model = raw_model  # the policy itself, whose log-probs rollout.py computes with the adapters off
+else:  # a resumed run's reference is the one it saved (TR-DPO's moves)
+    def saved_reference():
+        return GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict()
+    ref_model = parallelism.frozen_copy(raw_model, device=device, dtype=param_dtype, bf16=bf16,
+                                        read=saved_reference if init_from == 'resume' else None)
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]  # in the dtype the update computes in
 if master:
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
@@ -322,9 +313,10 @@ for it in range(iter_start, max_iters + 1):
     if evaluating:  # held-out greedy accuracy and pass@k
         metrics, samples = evaluate(raw_model, test_rows, it=it, rank=rank, cfg=cfg, enc=enc, reward_fn=reward_fns[0],
                                     every=progress_interval if master else math.inf)
-        log(dict(metrics, iter=it), report(metrics, samples, it))
+        if master:
+            log(dict(metrics, iter=it), report(metrics, samples, it), out_dir=out_dir, wandb=wandb)
     if it > iter_start and (save_interval and it % save_interval == 0 or it == max_iters) and bad_in_row == 0:
-        save(it)
+        saved_it = save(it)
     if it == max_iters:
         break
     if evaluating:
@@ -339,7 +331,7 @@ for it in range(iter_start, max_iters + 1):
                               reward_fns=reward_fns, reward_weights=reward_weights)
     mem_rollout, t1 = memory_mb(device), time.perf_counter()
     stop_if_signalled(it)  # the rollout is the long part; resume redoes it exactly
-    stats = policy_update(batch, times=info['time'])  # the optimizer steps; their seconds added to the rollout's
+    stats, step = policy_update(batch, times=info['time'], step=step)  # their seconds added to the rollout's
     bad_in_row = bad_in_row + stats['bad_steps'] if stats['bad_steps'] else 0
     if bad_in_row >= max_bad_steps:
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
@@ -347,4 +339,6 @@ for it in range(iter_start, max_iters + 1):
                          f"or check the rewards, then resume with init_from='resume'")
     log_iteration(it, info, stats, (t0, t1, time.perf_counter()), max(mem_rollout, memory_mb(device)))
 
-finish()
+if master and wandb:
+    wandb.finish()
+parallelism.end()

@@ -173,3 +173,11 @@ def stop_ids(enc, template="none", path=None):
     ids += (folder and eos_ids(folder)) or []
     ids += [enc.eot_token] if enc.eot_token is not None else []
     return list(dict.fromkeys(ids))  # no repeats, first one first
+
+
+def text_of(ids, cfg, enc):
+    """The text of a trajectory's tokens, as the environment and the reward functions read it: its final eos left out
+    (a stop token kept, and the eos ids inside it, such as the end of a chat turn), and ids past the tokenizer's
+    vocabulary, which a padded output layer can sample."""
+    ids = ids[:-1] if ids and ids[-1] in cfg.eos_ids else ids
+    return enc.decode([x for x in ids if x < enc.n_vocab])

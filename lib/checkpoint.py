@@ -29,9 +29,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lib import gguf_file
-from lib import lora
-from lib import parallelism
+from lib import gguf_file, lora, parallelism
 from lib.errors import ConfigError
 
 

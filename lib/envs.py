@@ -16,8 +16,6 @@ policy's code calls tools.python(code, sandbox=...) after check_sandbox(sandbox)
 KV cache after the policy's, and the loss masks them. Rewards still come from reward functions, which see each
 row's observations as a column.
 """
-import functools
-
 from lib import tools
 from lib.chat import render_tool_turn
 from lib.errors import ConfigError, import_named
@@ -88,23 +86,3 @@ def get_env(name, sandbox='bwrap'):
     return env
 
 
-@functools.lru_cache(maxsize=8)
-def stop_ids(env, enc):
-    """The ids the sampler stops a row at for env's stop strings (rollout.episodes then asks whether the text ends
-    with one): a stop that is one token, that token; a longer one, every ordinary token whose bytes end with its
-    last byte."""
-    ids, special = set(), {enc.encode_single_token(t) for t in enc.special_tokens_set}
-    for s in getattr(env, 'stop', ()):
-        try:
-            ids.add(enc.encode_single_token(s))
-        except KeyError:
-            last = s.encode()[-1:]
-            ids.update(i for i in range(enc.n_vocab) if i not in special and _token_bytes(enc, i).endswith(last))
-    return sorted(ids)
-
-
-def _token_bytes(enc, i):
-    try:
-        return enc.decode_single_token_bytes(i)
-    except KeyError:  # an id the vocabulary skips
-        return b''

@@ -31,8 +31,7 @@ from torch.nn import functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from lib import hf
-from lib import parallelism
+from lib import hf, parallelism
 from lib.errors import ConfigError
 
 # LoRA's config keys, with their defaults: train.py's config takes them from here. The reference policy of a LoRA

@@ -5,6 +5,7 @@ lines of long phases.
 train.py logs with these and bench.py builds its numbers on them; the model and the loss never need them.
 """
 import functools
+import json
 import os
 import resource
 import time
@@ -125,6 +126,16 @@ def ticker(what, total, unit, interval):
             print(f"{what}: {done}/{total} {unit}{extra} ({hms(now - t0)}, eta {hms(eta)})", flush=True)
             last = now
     return tick
+
+
+def log(metrics, line, *, out_dir, wandb=None):
+    """Rank 0's record of an iteration or an evaluation: its line printed, its metrics a line of out_dir/metrics.jsonl
+    and, with wandb, logged there at the iteration (the x-axis of eval and train alike)."""
+    print(line, flush=True)
+    with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
+        f.write(json.dumps(metrics) + '\n')
+    if wandb:
+        wandb.log(metrics, step=metrics["iter"])
 
 
 def iteration_line(m, *, max_iters, eta, reward_fns):

@@ -49,6 +49,15 @@ def test_times_table_answers():
         assert 2 <= a <= 12 and 2 <= b <= 12 and r["answer"] == str(a * b)
     assert {r["prompt"].split(" ")[0] for r in rows} == {"What", "Multiply"}
     assert len(load_dataset("times_table", "train", max_factor=5)) < 4 * 4 * 4
+    # held out by the pair of factors: no held-out product is trained, in any of the four ways, either way round
+    pair = lambda r: tuple(sorted(map(int, re.findall(r"\d+", r["prompt"]))))
+    assert not {pair(r) for r in train} & {pair(r) for r in test}
+    assert all(len([r for r in test if pair(r) == p]) == 4 * len(set(p)) for p in {pair(r) for r in test})
+    assert all("_problem" not in r for r in rows)
+
+def test_sort_holds_out_the_numbers_in_every_order():
+    train, test = load_dataset("sort", "train"), load_dataset("sort", "test")
+    assert not {r["answer"] for r in train} & {r["answer"] for r in test} and len(test) > 100
 
 def test_sort_answers():
     rows = load_dataset("sort", "train", seed=1, size=300, length=5, digits=2)

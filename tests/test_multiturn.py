@@ -154,11 +154,12 @@ def test_the_loss_counts_the_policys_tokens_only(loss_type, level):
 
 
 def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
-    """rollout.episodes: the environment is asked after each turn until max_turns turns, the last turn's end ends the
+    """multiturn.episodes: the environment is asked after each turn until max_turns turns, the last turn's end ends the
     episode; score's completion_ids (what DAPO's overlong punishment counts) leave the observations out, and its
     text is the one the environment reads: only the final eos left out, a turn's end inside kept."""
     from types import SimpleNamespace
-    from rollout import episodes, score
+    from lib.multiturn import episodes
+    from rollout import score
     from lib.tokenizer import get_tokenizer
     enc = get_tokenizer('bytes')
     cfg = SimpleNamespace(max_turns=2, chat_template='none', eos_ids=[enc.eot_token], max_completion_length=12,
@@ -207,11 +208,11 @@ def test_bad_environments_are_one_line_errors():
 
 
 def test_a_stop_string_of_several_tokens_ends_a_turn_where_the_text_ends_with_it():
-    """The sampler stops a row at every token a stop string can end with; rollout.episodes goes on (an empty
+    """The sampler stops a row at every token a stop string can end with; multiturn.episodes goes on (an empty
     observation) unless the text then ends with the stop string."""
     from types import SimpleNamespace
-    from lib.envs import get_env, stop_ids
-    from rollout import episodes
+    from lib.envs import get_env
+    from lib.multiturn import episodes, stop_ids
     from lib.tokenizer import get_tokenizer
     enc = get_tokenizer('bytes')
     env = get_env('multiturn_env:CalcTags')
