@@ -17,7 +17,7 @@ if _wheel is None:
 
 out_dir = 'out-smollm2'
 init_from = _os.path.join(_wheel.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf')
-task = 'times_table'  # 'What is 7 times 8?' -> '56', asked four ways; held out: 10% of the questions
+task = 'times_table'  # 'What is 7 times 8?' -> '56', asked four ways; held out: 7 of the 66 products, every way
 reward_funcs = ('numeric_match',)  # the last number of the answer
 chat_template = 'chatml'
 system_prompt = _system

@@ -9,12 +9,12 @@ the policy observes next, or that the episode is over. An environment is any obj
     stop                             optional: strings that end a turn besides the end of turn: where the
                                      policy's text comes to end with one (of one token or several).
 
-Write one in your own file and name it as a reward function is named: --env=myenvs:maze (an object, or a class,
-which is then instantiated). step must depend on its arguments alone: the calls of rows that end a turn together
-run in threads (train.py's tool_workers), and a resumed run must see what the first one saw. One that runs the
-policy's code calls tools.python(code, sandbox=...) after check_sandbox(sandbox) at its start. The observation's tokens are context, never actions: engine.py reads them into the
-KV cache after the policy's, and the loss masks them. Rewards still come from reward functions, which see each
-row's observations as a column.
+Write one in your own file and name it as a reward function is named: --env=myenvs:maze (an object, or a class, which
+is then instantiated). step must depend on its arguments alone: the calls of rows that end a turn together run in
+threads (train.py's tool_workers), and a resumed run must see what the first one saw. One that runs the policy's code
+calls tools.python(code, sandbox=...) after check_sandbox(sandbox) at its start. The observation's tokens are
+context, never actions: engine.py reads them into the KV cache after the policy's, and the loss masks them. Rewards
+still come from reward functions, which see each row's observations as a column.
 """
 from lib import tools
 from lib.chat import render_tool_turn

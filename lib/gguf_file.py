@@ -1,7 +1,7 @@
 """
 GGUF files (llama.cpp's format) in: one .gguf holds a model's architecture, its weights (often quantized) and its
 tokenizer. They are read with the `gguf` package, llama.cpp's own Python reader (optional: pip install gguf), and
-turned into what a Hugging Face directory would hold, so that lib/hf.py and lib/tokenizer.py do the rest with every check
+turned into what a Hugging Face directory would hold, so that hf.py and tokenizer.py do the rest with every check
 they make there:
 
     read_model(path)      -> (config.json's dict, (HF tensor name, file, float32 tensor) triples)

@@ -2,7 +2,7 @@
 Measuring the machine: wall time per phase, memory, the matmul peak that MFU is a fraction of, and the progress
 lines of long phases.
 
-train.py logs with these and bench.py builds its numbers on them; the model and the loss never need them.
+train.py logs with these and scripts/bench.py builds its numbers on them; the model and the loss never need them.
 """
 import functools
 import json

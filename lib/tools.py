@@ -266,7 +266,8 @@ def sandbox_problem():
                 f"where every user can run it (a virtualenv outside /root, or the system's bubblewrap)")
     out = python("print('ok')")
     if out != "ok\n":
-        return (f"{out.splitlines()[-1].removeprefix('error: ') if out else 'no output'}: enable unprivileged user namespaces (sysctl "
+        said = out.splitlines()[-1].removeprefix("error: ") if out else "no output"
+        return (f"{said}: enable unprivileged user namespaces (sysctl "
                 f"kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0) or run in a container that allows "
                 f"them (docker: --security-opt seccomp=unconfined --security-opt apparmor=unconfined)")
     return None

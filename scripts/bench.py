@@ -4,12 +4,12 @@ dict; main() prints the dict as a table and writes it as JSON. Random weights: s
 Without --preset the model is a 6-layer, 384-wide GPT-2; a preset is a real model's shape, and an explicit
 --n_layer/--n_head/--n_embd/--vocab_size overrides it (fewer layers: a CPU run in minutes).
 
-$ python bench.py                                  # GRPO-shaped: 8 prompts x G=8, prompt 64, completion 128
-$ python bench.py --prompts 4 --G 16 --prompt_len 32 --new_tokens 64   # the smaller shape of the first benchmark
-$ python bench.py --preset gpt2 --device cuda --compile --cuda_graphs --json bench.json   # bench_gpu.sh: all of it
-$ OMP_NUM_THREADS=2 python bench.py --preset qwen2.5-0.5b --n_layer 4 --json bench_qwen25.json
-$ python bench.py --preset qwen3-0.6b --n_layer 4       # or --preset llama-3.2-1b
-$ python bench.py --soak                           # 200 iterations of train.py: does its memory stay flat?
+$ python -m scripts.bench                                  # GRPO-shaped: 8 prompts x G=8, prompt 64, completion 128
+$ python -m scripts.bench --prompts 4 --G 16 --prompt_len 32 --new_tokens 64   # the first benchmark's shape
+$ python -m scripts.bench --preset gpt2 --device cuda --compile --cuda_graphs --json bench.json  # all of it
+$ OMP_NUM_THREADS=2 python -m scripts.bench --preset qwen2.5-0.5b --n_layer 4 --json bench_qwen25.json
+$ python -m scripts.bench --preset qwen3-0.6b --n_layer 4       # or --preset llama-3.2-1b
+$ python -m scripts.bench --soak                           # 200 iterations of train.py: does its memory stay flat?
 
 Sections: the machine's matmul peak (every MFU is against it), sampling (KV cache vs naive full recompute, and a
 batch where half the rows end early), the log-prob pass (chunked, also with each token's entropy, vs a plain full

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU measurements for a lent GPU, in named parts (each with its own time limit, so one that hangs costs only
-# that): tests (tests/test_cuda.py), probe (a decode step eager vs replayed as a CUDA graph), qwen05 (scripts/bench.py at
+# that): tests (tests/test_cuda.py), probe (a decode step eager vs replayed as a CUDA graph), qwen05 (the bench at
 # the Qwen2.5-0.5B shape: training step and whole iterations), gsm8k and countdown (the Qwen recipes' iterations on
 # random Qwen2.5-0.5B and 3B weights: speed does not depend on them; a random model never samples eos, so every
 # completion runs to max_completion_length, the slowest case), gpt2 (training steps of GPT-2 124M), qwen05c (the
@@ -8,7 +8,7 @@
 # 10-minute call: 7-9 minutes for tests probe qwen05 gsm8k (tests, never run on a GPU yet, up to 4), 8 for countdown
 # gpt2, qwen05c untimed (a guess: 3-5).
 # $ OUT=gpu_results bash scripts/bench_gpu.sh tests probe qwen05 gsm8k   # results in $OUT: log.txt and JSON per part
-# $ GRAPHS=--cuda_graphs OUT=gpu_results bash scripts/bench_gpu.sh qwen05 gsm8k   # generate with CUDA graphs (engine.py)
+# $ GRAPHS=--cuda_graphs OUT=gpu_results bash scripts/bench_gpu.sh qwen05 gsm8k   # generate replayed as CUDA graphs
 # docs/h200/ holds the first session's output (probe qwen05 gsm8k gpt2, no GRAPHS, without the last gpt2 step)
 set -u
 cd "$(dirname "$0")/.."  # the repository's root: train.py, tests/, python -m scripts.bench
@@ -114,7 +114,8 @@ step 200 python3 train.py config/qwen_countdown.py --init_from="$TMP/qwen3b" --t
 cp "$TMP/run_countdown/metrics.jsonl" "$OUT/qwen_countdown_metrics.jsonl" 2>/dev/null; }
 
 gpt2() { step 60 python3 -m scripts.bench --preset gpt2 --device cuda --only train_step --json "$OUT/gpt2.json"
-step 120 python3 -m scripts.bench --preset gpt2 --device cuda --only train_step --compile --json "$OUT/gpt2_compile.json"
+step 120 python3 -m scripts.bench --preset gpt2 --device cuda --only train_step --compile \
+  --json "$OUT/gpt2_compile.json"
 step 120 python3 -m scripts.bench --preset gpt2 --device cuda --only train_step --compile --micro_batch_size 64 \
     --json "$OUT/gpt2_compile_mb64.json"; }
 

@@ -6,8 +6,8 @@ micro-batches of 16, no KL (beta 0), Dr. GRPO's loss. TRL is not a dependency of
 virtualenv, then ours on the same machine right after, and compare the seconds per iteration:
 
 $ python3 -m venv /tmp/trl && /tmp/trl/bin/pip install torch==2.13.0 trl
-$ /tmp/trl/bin/python bench_trl.py
-$ python bench.py --only iteration
+$ /tmp/trl/bin/python scripts/bench_trl.py
+$ python -m scripts.bench --only iteration
 """
 import random
 import sys

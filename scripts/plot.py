@@ -2,8 +2,8 @@
 Reward and accuracy curves from a run's metrics.jsonl (needs matplotlib, which training does not: it is in
 requirements-extra.txt).
 
-$ python plot.py out-dr_grpo               # writes out-dr_grpo/curves.png
-$ python plot.py out-dr_grpo out-grpo      # several runs on the same axes, one colour each
+$ python scripts/plot.py out-dr_grpo               # writes out-dr_grpo/curves.png
+$ python scripts/plot.py out-dr_grpo out-grpo      # several runs on the same axes, one colour each
 """
 import json
 import os

@@ -114,7 +114,8 @@ def bench_multiturn(args, model, results):
 
 def bench_python_tool(args, r):
     """The python tool's cost a call, in bubblewrap and unisolated, for a trivial program and a 100 ms one; then 16
-    calls of the 100 ms one as a step's rows would make them (multiturn.observer), one after another and from 4 threads."""
+    calls of the 100 ms one as a step's rows would make them (multiturn.observer), one after another and from 4
+    threads."""
     sandboxes = ("bwrap", "none") if tools.sandbox_problem() is None else ("none",)
     for sandbox in sandboxes:
         for name, code in (("trivial", "pass"), ("100ms", "import time; time.sleep(0.1)")):
