@@ -27,7 +27,7 @@ from lib.chat import encode_prompt
 from lib.errors import ConfigError
 
 TEST_PERCENT = 10  # share of all problems, by prompt hash, held out for evaluation
-SMALL_TASK = 1000  # a built-in task of at most this many problems holds out exactly TEST_PERCENT (_held_out)
+SMALL_TASK = 1000  # a task asking few problems in several ways (times_table) holds out exactly TEST_PERCENT
 DEFAULT_SIZE = {"train": 10000, "test": 500}
 ROW_EXAMPLE = '{"prompt": "2+2=", "answer": "4"}'
 # what GSM8K's question is followed by: the wording Qwen2.5-Math and DeepSeek-R1 were trained and evaluated with,
@@ -47,8 +47,8 @@ def _key(row):
     return row.pop("_problem", row["prompt"])
 
 def _held_out(keys):
-    """A task of few problems holds out exactly TEST_PERCENT of them, those whose hash is smallest: by the hash's
-    threshold alone the share would stray far from it (times_table has 66 pairs of factors: 1 to 12 of them)."""
+    """The TEST_PERCENT of keys whose hash is smallest: for a task of few problems each asked in several ways, where
+    the hash's threshold alone would stray far from that share (times_table's 66 pairs of factors: 1 held out)."""
     ranked = sorted(set(keys), key=_hash)
     return set(ranked[:max(1, round(len(ranked) * TEST_PERCENT / 100))])
 
@@ -160,7 +160,8 @@ def _task_rows(name, split, seed, size, options):
     count, problem = TASKS[name](**options)
     rng = random.Random(seed)
     share = TEST_PERCENT if split == "test" else 100 - TEST_PERCENT  # percent of the problems in this split
-    held = _held_out(_key(problem(i)) for i in range(count)) if count <= SMALL_TASK else None
+    few = count <= SMALL_TASK and "_problem" in problem(0)  # few problems, each asked in several ways
+    held = _held_out(_key(problem(i)) for i in range(count)) if few else None
     if count <= 1 << 16:
         order = rng.sample(range(count), count)  # small space: shuffle all of it, so `size` caps at what there is
     elif size > count * share // 200:  # past half of the split, draws would mostly hit problems already drawn
