@@ -240,8 +240,10 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
         stdout = os.pread(out.fileno(), 4 * max_output, 0).decode("utf-8", errors="replace")
         start = max(0, os.fstat(err.fileno()).st_size - 4 * max_output)
         stderr = os.pread(err.fileno(), 4 * max_output, start).decode("utf-8", errors="replace")
+    # bwrap passes a signal's death on as 128 + its number (as a shell does: an exit code of 129 reads the same)
     status = proc.returncode - 128 if sandbox == "bwrap" and proc.returncode > 128 else -proc.returncode
-    if status <= 0 and not timed_out:  # bwrap passes a signal's death on as 128 + its number
+    status = status if status in set(signal.Signals) else 0  # sys.exit(200) is no signal
+    if status <= 0 and not timed_out:
         if proc.returncode and stderr.startswith("bwrap: "):
             return f"error: the sandbox failed: {_cut(stderr.strip(), max_output)}"
         if proc.returncode == 0:
@@ -250,7 +252,8 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
     tail = tail if len(stderr) <= max_output // 2 else "[...]\n" + tail[tail.find("\n") + 1:]
     failure = (f"error: timed out after {timeout:g} s" if timed_out else  # the limits' signals: SIGXCPU, SIGXFSZ, ...
                f"error: killed by {signal.Signals(status).name}" if status > 0 else
-               f"error: out of memory (the limit is {memory_mb} MB)" if tail.rstrip().endswith("MemoryError") else "")
+               f"error: out of memory (the limit is {memory_mb} MB)" if tail.rstrip().endswith("MemoryError") else
+               f"error: exited with code {proc.returncode}" if not stderr.strip() else "")  # a traceback says it
     return "\n".join(p.rstrip("\n") for p in (_cut(stdout, max_output - len(tail)), tail, failure) if p.strip())
 
 

@@ -225,7 +225,10 @@ def test_a_run_survives_a_policy_that_writes_hostile_calls(tmp_path):
 def test_fuzzed_programs_run_and_come_back_bounded():
     """Programs with NUL, lone surrogates, invalid UTF-8 output and floods, through the real sandbox."""
     for code in ["print('\\x00')", "x = '\x00'", "print('\udcff')", "import sys; sys.stdout.buffer.write(b'\\xff' * 10**5)",
-                 "print('\\ud800')", "raise SystemExit('\\ud800' * 10**4)", "import os; os.write(2, os.urandom(10**5))"]:
+                 "print('\\ud800')", "raise SystemExit('\\ud800' * 10**4)", "import os; os.write(2, os.urandom(10**5))",
+                 "raise SystemExit(200)", "import os; os._exit(137)"]:
         out = call_tool('<tool_call>{"name": "python", "arguments": {"code": ' + json.dumps(code) + '}}</tool_call>',
                         TOOLS)
         assert isinstance(out, str) and len(out) < 2200, code
+    assert python("raise SystemExit(200)") == "error: exited with code 200"  # 128 + 72, yet no signal
+    assert python("import os; os._exit(137)") == "error: killed by SIGKILL"  # bwrap cannot tell these apart
