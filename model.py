@@ -343,7 +343,9 @@ class GPT(nn.Module):
 
         The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its samples,
         right-aligned so that the rows decode level (a per-row key mask hides the left padding), in a static cache
-        the model keeps across calls; an observation is read into its row's cache in one forward of its tokens."""
+        the model keeps across calls; an observation is read into its row's cache in one forward of its tokens.
+        A method, not only engine.generate, because FSDP registers it as an entry of the root (parallelism.shard):
+        called first, before any forward, it must set up the sharded model as forward does."""
         return engine.generate(self, prompts, max_new_tokens, num_samples=num_samples, temperature=temperature,
                                top_k=top_k, top_p=top_p, eos_id=eos_id, generator=generator, turns=turns,
                                turn_workers=turn_workers)
