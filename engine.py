@@ -6,8 +6,8 @@ multi-turn row jumps ahead by each observation it reads in).
 
 The cache is allocated once for a call's batch and sequence and never moved (finished rows are dropped by copying
 the live ones into its first rows), and freed when the call returns, leaving its memory to the update. With
-model.decode_graphs (train.py's cuda_graphs) the steps are replayed as CUDA graphs instead (lib/cuda_graphs.py), and the
-cache is kept across calls, grown to the largest batch and sequence seen, since a graph reads the addresses it was
+model.decode_graphs (train.py's cuda_graphs) the steps are replayed as CUDA graphs instead (lib/cuda_graphs.py), and
+the cache is kept across calls, grown to the largest batch and sequence seen, since a graph reads the addresses it was
 captured with.
 """
 import weakref
@@ -111,9 +111,9 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
         tokens.index_put_((at, live), tok)
         logps.index_put_((at, live), lp)
         if turns is not None:
-            tok, lp, done, ahead = multiturn.end_turns(turns, model, live=live, tok=tok, lp=lp, j=j, done=done, eos=eos,
-                                              kv=kv, key_mask=key_mask, lens=lens, P=P, tokens=tokens,
-                                              observed=observed, last=last)
+            tok, lp, done, ahead = multiturn.end_turns(turns, model, live=live, tok=tok, lp=lp, j=j, done=done,
+                                                       eos=eos, kv=kv, key_mask=key_mask, lens=lens, P=P,
+                                                       tokens=tokens, observed=observed, last=last)
             top = max(top, ahead)
             done = done | (j == M - 1)  # a row that read an observation can reach the last step before the others
         elif eos is not None:
