@@ -102,7 +102,8 @@ def check_config(c, world_size, distributed=False):
         if not ok:
             raise ConfigError(msg)
     choices = dict(lr_schedule=('constant', 'cosine'), dtype=('auto', 'float32', 'float64', 'bfloat16', 'float16'),
-                   parallel=('ddp', 'fsdp'), sandbox=('bwrap', 'none'))
+                   parallel=('ddp', 'fsdp'), sandbox=('bwrap', 'none'),
+                   reward_model_dtype=('float32', 'bfloat16', 'float64'))
     for key, valid in choices.items():
         need(c[key] in valid, f"unknown {key} '{c[key]}'; choose one of {', '.join(valid)}")
     # counts and rates that have a range; each message names its key and value
@@ -144,6 +145,9 @@ def check_config(c, world_size, distributed=False):
              f"that without LoRA and set init_from to its out_dir/warmstart (or a Hugging Face model); sft_iters=0")
         need(not c['ref_sync_every'], "with LoRA the reference is the base model (adapters off), which never "
                                       "changes: set ref_sync_every=0")
+    need(not (c['plain'] and c['cuda_graphs']), "plain=True turns the speed tricks off, cuda_graphs=True turns one "
+                                               "on: drop one of them")
+    need(c['reward_clip'] >= 0, f"reward_clip={c['reward_clip']} must be >= 0 (0: off)")
     need(c['temperature'] > 0, f"temperature={c['temperature']} must be > 0 for RL sampling (log-probs divide by it)")
     need(c['learning_rate'] > 0 and math.isfinite(c['learning_rate']),
          f"learning_rate={c['learning_rate']} must be a positive number")

@@ -22,6 +22,7 @@ import math
 import os
 import random
 
+import reward_model
 from reward import RESERVED_COLUMNS, get_reward_fns, to_number
 from lib.chat import encode_prompt
 from lib.errors import ConfigError
@@ -302,4 +303,5 @@ def load_task(cfg, enc):
         else default_reward(cfg.task, train)
     check_rows(train, cfg.task, cfg, enc, least=cfg.prompts_per_step)
     check_rows(test, cfg.test_task or cfg.task, cfg, enc)
-    return train, test, get_reward_fns(names), list(weights)
+    fns = [reward_model.reward_fn(n, cfg) if reward_model.is_model(n) else get_reward_fns(n)[0] for n in names]
+    return train, test, fns, list(weights)

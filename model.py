@@ -279,15 +279,15 @@ class GPT(nn.Module):
                 x = block(x, rope, None if kv is None else kv[i], col, key_mask)
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, start=None, length=None, temperature=1.0, entropy=False, lengths=None, pos=None):
-        """Logits (B, T, vocab_size) for every position of idx (B, T): the plain reference path. Given start and
-        length it returns logprobs(idx, start, length, temperature, entropy, lengths, pos) instead, so that the
-        trainer's pass goes through forward and a DistributedDataParallel wrapper sees it."""
+    def forward(self, idx, start=None, *args, **kwargs):
+        """Logits (B, T, vocab_size) for every position of idx (B, T). Given start (and logprobs' other arguments) it
+        returns logprobs(idx, start, ...) instead, so that the trainer's pass goes through forward and a
+        DistributedDataParallel wrapper sees it."""
         if start is not None:
-            return self.logprobs(idx, start, length, temperature, entropy, lengths, pos)
+            return self.logprobs(idx, start, *args, **kwargs)
         return self.lm_head(self.hidden(idx))
 
-    def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None, pos=None):
+    def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None, pos=None, plain=False):
         """out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j], predicted from the position
         before it, for j < length: (B, length) float32 (float64 for a float64 model). idx (B, T) holds prompt +
         completion + any right padding per row (causal attention never looks at the padding), start (B,) each row's
@@ -295,9 +295,10 @@ class GPT(nn.Module):
         runs on those only (it costs more per token than the rest of a small model), and out is 0 past them. With
         pos (B, T), idx holds several rows packed one after another (rollout.micro_batches, see hidden) and start
         (n,) is where each of n rows' completion begins, as a flat index into idx: out is then (n, length). The
-        output layer runs in chunks of rows (HeadLogprobs), so a float32 (B, T, vocab) tensor never exists.
+        output layer runs in chunks of rows with a backward of its own (lib/head.py), so a float32 (B, T, vocab)
+        tensor never exists; plain=True runs the reference instead, log_softmax(logits).gather, the same numbers.
         entropy=True returns (out, H) instead, H[b, j] (B, length) the entropy of the same softmax(logits /
-        temperature) that out[b, j] is taken from, computed in the same chunks; gradients flow through both."""
+        temperature) that out[b, j] is taken from; gradients flow through both."""
         B, T = idx.shape
         # checked when run eagerly; a compiled graph would break at the host sync
         if pos is None and not torch.compiler.is_compiling() and (int(start.min()) < 1 or
@@ -310,13 +311,18 @@ class GPT(nn.Module):
         n, j = len(start), torch.arange(length, device=idx.device)
         keep = (j < (length if lengths is None else lengths[:, None])).expand(n, -1)  # (n, length) those computed
         before = (start[:, None] + j - 1)[keep]  # (k,) flat index of the position before each target
-        rows = max(1, 2**26 // self.config.vocab_size)  # each chunk's float32 logits stay near 256 MB
-        # backward recomputes each chunk's logits when the blocks are recomputed too (gradient checkpointing: memory
-        # before time), else it keeps them from forward
-        hold = torch.is_grad_enabled() and not self.gradient_checkpointing
-        out = HeadLogprobs.apply(h.flatten(0, 1)[before], self.lm_head.weight, idx.flatten()[before + 1],
-                                 temperature, rows, self.compute_dtype(), entropy, hold)  # (k,) or ((k,), (k,))
-        out = [t.new_zeros(n, length).masked_scatter(keep, t) for t in (out if entropy else (out,))]
+        h, targets = h.flatten(0, 1)[before], idx.flatten()[before + 1]  # (k, C), (k,)
+        if plain:  # the reference: the (k, vocab) logits at once, their log-softmax in float32 (or float64)
+            logits = self.lm_head(h)
+            logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
+            out = (logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1))[:1 + entropy]
+        else:  # the same numbers in chunks of rows, each chunk's float32 logits near 256 MB; backward recomputes
+            # them when the blocks are recomputed too (gradient checkpointing: memory before time), else keeps them
+            hold = torch.is_grad_enabled() and not self.gradient_checkpointing
+            out = HeadLogprobs.apply(h, self.lm_head.weight, targets, temperature,
+                                     max(1, 2**26 // self.config.vocab_size), self.compute_dtype(), entropy, hold)
+            out = out if entropy else (out,)
+        out = [t.new_zeros(n, length).masked_scatter(keep, t) for t in out]  # (n, length) each
         return tuple(out) if entropy else out[0]
 
     def compute_dtype(self):

@@ -163,6 +163,11 @@ def countdown_reward(prompts, completions, numbers, target, **kwargs):
         rewards.append(float(equation is not None and solves_countdown(equation, nums, t)))
     return rewards
 
+def single_number(prompts, completions, **kwargs):
+    """1 if the completion states exactly one number, else 0: a property a judge can be asked about
+    (config/judge.py), measured here without one."""
+    return [float(len(NUMBER.findall(c)) == 1) for c in completions]
+
 ENDS_WITH_NUMBER = r"(?s).*\d\s*"  # the completion ends on its answer, no rambling after it
 
 def format_reward(pattern=ENDS_WITH_NUMBER, name="format"):
@@ -197,6 +202,7 @@ REWARD_FNS = {  # the names a config can use in its list of reward functions
     "exact_match": exact_match,
     "final_answer_match": final_answer_match,
     "numeric_match": numeric_match,
+    "single_number": single_number,
     "countdown_reward": countdown_reward,
     "format": format_reward(),
     "boxed": format_reward(BOXED, name="boxed"),

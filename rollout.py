@@ -25,7 +25,7 @@ import torch
 
 from loss import decoupled_advantages, entropy_threshold, group_advantages, kl_divergence
 from reward import compute_rewards
-from lib import multiturn
+from lib import multiturn, packing
 from lib.chat import encode_prompt, text_of
 from lib.lora import adapters_off, has_adapters, merged
 from lib.measure import lap
@@ -212,9 +212,10 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
 
 
 def rollout_metrics(info, G, reward_fns, device):
-    """What the log says of a rollout, over all ranks: the rewards (mean, std, each function's mean), the accuracy
-    (the first function's score >= 1), the share of flat groups, completion lengths (also of right and of wrong
-    answers, where a length bias shows), the truncated share and the sampler's tokens/s."""
+    """What the log says of a rollout, over all ranks: the rewards (mean, std, each function's mean and spread within
+    a group), the accuracy (the first function's score >= 1), the share of flat groups, completion lengths (also of
+    right and of wrong answers, and their correlation with the reward: a length bias), the truncated share and the
+    sampler's tokens/s."""
     rewards, scores, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
                                            for k in ('rewards', 'scores', 'lengths', 'truncated'))
     correct = scores[:, 0].nan_to_num() >= 1
@@ -223,6 +224,13 @@ def rollout_metrics(info, G, reward_fns, device):
              len_max=lengths.max().item(), truncated=truncated.mean().item(), dropped_groups=info['dropped_groups'],
              rollout_tok_s=lengths.sum().item() / info['time']['generate'])
     m.update({f'reward/{f.__name__}': scores[:, j].nanmean().item() for j, f in enumerate(reward_fns)})
+    # what a model's reward is prone to: its spread within a group (the signal GRPO learns from) and a length bias
+    spread = scores.view(-1, G, scores.shape[1]).std(1).nanmean(0)  # (functions,) over the groups it applies to
+    m.update({f'reward_spread/{f.__name__}': s for f, s in zip(reward_fns, spread.tolist()) if s == s})  # not NaN
+    ok = rewards.isfinite()
+    corr = torch.corrcoef(torch.stack((lengths[ok], rewards[ok])))[0, 1].item() if ok.sum() > 1 else float('nan')
+    if corr == corr:  # absent where either does not vary
+        m['len_reward_corr'] = corr
     for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # absent when there are none
         if rows.any():
             m[key] = lengths[rows].mean().item()
@@ -233,64 +241,21 @@ def rollout_metrics(info, G, reward_fns, device):
     return m
 
 
-def micro_batches(batch, size):
-    """Yield (rows, micro-batch), the ceil(B / size) micro-batches of a step, every row of batch in exactly one,
-    with next to no forward or backward work on padding, nor on a prompt twice. Each row needs its prompt and the
-    completion tokens that count (causal attention never reads past them), and the rows of one prompt (a group)
-    need its tokens once: a sequence holds a prompt but its last token once, then each of its rows as that last
-    token and the row's completion, at the positions they have in the row (model.hidden lets such a row see the
-    prompt before it and itself only). Rows are packed into sequences no longer than the longest row, first fit from
-    the longest (long prompts and a long tail of completion lengths: one to three rows a sequence, more where their
-    prompt is in it already), and the sequences, sorted by length, are cut into the micro-batches, each to its
-    longest. A micro-batch holds idx (S, T) the packed tokens, pos (S, T) each token's position in its row (0 where
-    a prompt begins), start (n,) where each of its n rows' completion begins, as a flat index into idx, tokens (how
-    many of idx's are not padding), and the batch's other tensors for those rows (`rows`, indices into batch), the
-    (B, C) ones cut to their longest completion. The loss's step-wide normalisers make the update the same however
-    rows are grouped (bnpo, a mean per micro-batch, aside)."""
+def micro_batches(batch, size, plain=False):
+    """Yield (rows, micro-batch): the step's rows in ceil(B / size) micro-batches, each row in exactly one, with the
+    batch's tensors for those rows (`rows`, indices into batch), the (B, C) ones cut to their longest completion
+    that counts. The plain way is below: `size` consecutive rows, each its own sequence, idx (b, T) right-padded to
+    the longest, start (b,) each prompt's length. Unless plain, lib/packing.py lays the rows into fewer, fuller
+    sequences instead (pos then gives each token's position in its row): the same log-probs, less work."""
     need = last_counted(batch['mask'])  # (B,) completion tokens up to the last that counts
-    start, n, dev = batch['start'].tolist(), need.tolist(), need.device
-    ids = {}  # one number per prompt: rows whose prompts are the same tokens share them
-    prompt = [ids.setdefault(tuple(p[:s]), len(ids)) for p, s in zip(batch['idx'][:, :max(start)].tolist(), start)]
-    longest = max(s + k for s, k in zip(start, n))  # every sequence holds up to the longest row
-    seqs, room, held = [], [], []  # the rows of each sequence, the tokens it has left, the prompts in it
-    for r in sorted(range(len(n)), key=lambda r: -start[r] - n[r]):  # first fit, longest first
-        # where its prompt is already, a row costs its completion and one prompt token; elsewhere its whole length
-        i = next((i for i, free in enumerate(room) if prompt[r] in held[i] and free > n[r]), None)
-        if i is None:
-            i = next((i for i, free in enumerate(room) if free >= start[r] + n[r]), len(seqs))
-        if i == len(seqs):
-            seqs.append([])
-            room.append(longest)
-            held.append(set())
-        room[i] -= n[r] + 1 if prompt[r] in held[i] else start[r] + n[r]
-        seqs[i].append(r)
-        held[i].add(prompt[r])
-    count = -(-len(n) // size)  # the micro-batches of rows alone, so every rank runs as many
-    while len(seqs) < count:
-        seqs.append([max(seqs, key=len).pop()])
-    spans = []  # per sequence: (row, first, end, a row's own?) spans of batch['idx'], each prompt before its rows
-    for s in seqs:
-        groups = {}
-        for r in s:
-            groups.setdefault(prompt[r], []).append(r)
-        spans.append([x for g in groups.values() for x in [(g[0], 0, start[g[0]] - 1, False)] +
-                      [(r, start[r] - 1, start[r] + n[r], True) for r in g]])
-    spans.sort(key=lambda s: sum(b - a for _, a, b, _ in s))
-    for m in range(count):
-        part = spans[m * len(spans) // count:(m + 1) * len(spans) // count]  # at most `size` sequences
-        T = max(sum(b - a for _, a, b, _ in s) for s in part)
-        begin = [q * T + sum(b - a for _, a, b, _ in s[:k]) for q, s in enumerate(part) for k in range(len(s))]
-        r, a, b, own = (torch.tensor(x, device=dev) for x in zip(*[x for s in part for x in s]))
-        begin, width = torch.tensor(begin, device=dev), b - a  # (spans,) flat index in (S, T) where each begins, tokens
-        j = torch.arange(int(width.sum()), device=dev) - (width.cumsum(0) - width).repeat_interleave(width)  # in span
-        at, within = begin.repeat_interleave(width) + j, a.repeat_interleave(width) + j  # flat index, position in row
-        idx = batch['idx'].new_zeros(len(part) * T)  # padding: token 0 at position 0, a row of its own nobody reads
-        idx[at] = batch['idx'][r.repeat_interleave(width), within]
-        pos = torch.zeros_like(idx).index_put_((at,), within)
-        rows = r[own]
+    if not plain:
+        yield from packing.micro_batches(batch, size, need)
+        return
+    for rows in torch.arange(len(need), device=need.device).split(size):
         L = max(int(need[rows].max()), 1)
-        mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k not in ('idx', 'start')}
-        yield rows, dict(mb, idx=idx.view(-1, T), pos=pos.view(-1, T), start=begin[own] + 1, tokens=len(at))
+        mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k != 'idx'}
+        T = int(mb['start'].max()) + L  # the longest prompt + completion of the micro-batch
+        yield rows, dict(mb, idx=batch['idx'][rows, :T], pos=None, tokens=int((mb['start'] + need[rows]).sum()))
 
 
 @torch.inference_mode()
@@ -300,10 +265,11 @@ def logprobs(model, batch, cfg, entropy=False):
     counts mean anything."""
     out = torch.zeros((1 + entropy, *batch['mask'].shape), device=batch['mask'].device,
                       dtype=torch.float64 if cfg.dtype == 'float64' else torch.float32)  # (1 or 2, B, C)
-    for rows, mb in micro_batches(batch, cfg.micro_batch_size):
+    for rows, mb in micro_batches(batch, cfg.micro_batch_size, cfg.plain):
         with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
-            got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], cfg.temperature, entropy,
-                                 last_counted(mb['mask']), mb['pos'])  # (b, L), 0 past the last that counts
+            got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], temperature=cfg.temperature,
+                                 entropy=entropy, lengths=last_counted(mb['mask']), pos=mb['pos'],
+                                 plain=cfg.plain)  # (b, L), 0 past the last that counts
         for o, x in zip(out, got if entropy else (got,)):
             o[rows, :x.shape[1]] = x.to(o.dtype)
     return tuple(out) if entropy else out[0]

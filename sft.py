@@ -19,14 +19,6 @@ from lib.chat import encode_prompt
 from lib.measure import ticker
 from lib.parallelism import all_sum, full_state_dict, gathered
 
-# the warm start's config keys, with their defaults: train.py's config takes them from here
-SETTINGS = dict(
-    sft_iters=None,  # None = up to 1000 from scratch and 0 from a pretrained checkpoint, which needs no warm start
-    sft_batch_size=64,
-    sft_learning_rate=1e-3,
-    sft_target_acc=0.3,  # > 0: stop once greedy accuracy on 256 train prompts reaches it (a fixed count is not robust)
-    sft_check_interval=50,  # steps between those checks
-)
 # the settings the cached weights depend on
 KEYS = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
         'vocab_size', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',

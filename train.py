@@ -2,8 +2,7 @@
 The GRPO training loop: rollout, reward, advantages, a few optimizer steps, repeat.
 
 $ python train.py config/dr_grpo.py  # one process (CPU or one GPU)
-$ torchrun --standalone --nproc_per_node=2 train.py config/dr_grpo.py  # DDP: gloo on CPU, nccl on GPUs
-(several machines: torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 ...)
+$ torchrun --standalone --nproc_per_node=2 train.py config/dr_grpo.py  # DDP: gloo on CPU, nccl on GPUs (README: nodes)
 
 Per iteration: prompts_per_step prompts (over the ranks) x num_generations completions = the rollout batch, cut into
 steps_per_generation optimizer steps over micro-batches of micro_batch_size on each rank (gradient accumulation),
@@ -28,7 +27,7 @@ import sft
 from lib import checkpoint, lora, multiturn, parallelism
 from lib.chat import stop_ids
 from lib.errors import need_package
-from lib.measure import fastest_dtype, iteration_line, log, matmul_peak, memory_mb, mfu, phase
+from lib.measure import fastest_dtype, iteration_line, iteration_metrics, log, matmul_peak, memory_mb, phase
 from lib.parallelism import all_sum, full, gathered
 from lib.tokenizer import get_tokenizer
 
@@ -41,9 +40,7 @@ eval_size = 500  # held-out prompts for greedy accuracy and pass@k, sampled prom
 save_interval = 100  # iterations between checkpoints (also at the end and when stopped by a signal); 0 = those only
 progress_interval = 10.0  # seconds between progress lines of a long warm start or evaluation
 init_from = 'scratch'  # 'scratch', 'resume' (out_dir's), a Hugging Face directory or a .gguf (Llama/Qwen2/Qwen3)
-wandb_log = False
-wandb_project = 'nanogrpo'
-wandb_run_name = 'grpo'
+wandb_log, wandb_project, wandb_run_name = False, 'nanogrpo', 'grpo'  # logging to Weights & Biases too
 # data
 task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "answer"} rows
 task_options = {}  # a built-in task's options (see data.py); {} = its defaults (addition: 2 digits)
@@ -52,52 +49,70 @@ tokenizer = ''  # 'bytes', 'gpt2' (tiktoken's), a tokenizer.json or its director
 chat_template = 'none'  # 'none' (the prompt as it is), 'chatml' (Qwen2/2.5/3) or 'llama3' (see lib/tokenizer.py)
 system_prompt = None  # a system message for prompts without one (chat.QWEN25_SYSTEM is Qwen2.5's default)
 enable_thinking = None  # Qwen3's switch: False opens each answer with an empty <think> block
-reward_funcs = ()  # reward function names from reward.py; () = the task's default
-reward_weights = ()  # one weight per reward function; () = all 1
+reward_funcs, reward_weights = (), ()  # reward function names from reward.py and their weights; () = the task's, 1s
+# rewards from models (reward_model.py), named 'rm:DIR' (a reward model) or 'judge:PATH' (an LLM judge) in reward_funcs
+reward_model_dtype = 'float32'  # their weights' dtype: 'float32', 'bfloat16' or 'float64'
+judge_prompt = ''  # a judge's question, holding {prompt} and {completion} (e.g. reward_model.YES_NO)
+judge_tokens = ('Yes', 'No')  # a judge's reward: P(first) / P(both); for numbers ('1', ..., '10') their expected value
+reward_clip = 0.0  # > 0: a reward model's scores clipped to [-reward_clip, reward_clip]
 # model, when init_from='scratch'
-n_layer = 4
-n_head = 4
-n_embd = 128
-block_size = 64
+n_layer, n_head, n_embd, block_size = 4, 4, 128, 64
 vocab_size = 0  # 0 = the tokenizer's; more pads the output layer (nanoGPT's 50304), e.g. for benchmarks
-dropout = 0.0
-bias = True
+dropout, bias = 0.0, True  # bias: in the Linears and LayerNorms, as GPT-2
 # rollout
 prompts_per_step = 32  # prompts per iteration, over all ranks
 num_generations = 8  # G: completions per prompt
 max_completion_length = 8
 temperature = 1.0  # sampling temperature; the loss's log-probs use it too, so the ratio is about the same policy
-top_k = None  # sample from the top_k likeliest tokens only
-top_p = None  # then from the smallest set of them holding top_p of their probability
+top_k, top_p = None, None  # sample from the top_k likeliest tokens only, then from the fewest holding top_p of them
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
-dynamic_sampling = False  # DAPO: resample prompts whose groups all got the same reward
-max_resample_rounds = 4
+dynamic_sampling, max_resample_rounds = False, 4  # DAPO: resample prompts whose groups all got the same reward
 env = ''  # multi-turn: an environment, lib/envs.py's name or 'module:attribute'; '' = one turn, no environment
 max_turns = 4  # with env: the policy's turns per episode at most (max_completion_length bounds all the tokens)
 tool_workers = 4  # with env: threads running the env.step calls of rows that end a turn at the same step
 sandbox = 'bwrap'  # the python tool's: 'bwrap' (bubblewrap; refused at start where it cannot isolate) or 'none'
-# loss: each keyword of loss.grpo_loss (beta, epsilon_low/high, delta, surrogate, ...; TRL's names) is a config key
-# with its default there, written once; loss.py maps each to its paper. The default run's choices:
-loss_type = 'dr_grpo'  # token sum / (sequences x max_completion_length), where grpo_loss's own default is 'grpo'
+# loss: loss.grpo_loss's keywords (TRL's names), passed to it by name; loss.py maps each to its paper. The defaults
+# are grpo_loss's own (test_config checks), but for the default run's choice of loss_type
+loss_type = 'dr_grpo'  # token sum / (sequences x max_completion_length); or 'grpo' (grpo_loss's), 'bnpo', 'dapo'...
+beta = 0.0  # the KL penalty's weight, against the frozen reference policy; 0 = no reference model at all
+kl_estimator = 'k3'  # Schulman's KL estimator: 'k1', 'k2' or 'k3'
+kl_in_reward = False  # PPO's placement of the KL (beta > 0): in the reward, not in the loss (docs/kl.md)
+use_bias_correction_kl = False  # DeepSeek-V3.2: the KL weighted by the ratio, unbiased off-policy
+surrogate = 'clip'  # the policy term: 'clip' (PPO), 'cispo' (a clipped weight), 'sapo' (a soft gate), 'vespo'
+epsilon_low, epsilon_high = 0.2, 0.2  # the clip range [1 - low, 1 + high]; DAPO's clip-higher: 0.28; cispo: a cap
+delta = None  # dual clip: with A < 0 the ratio is capped at delta (> 1 + epsilon_high)
+importance_sampling_level = 'token'  # or 'sequence': GSPO's ratio of whole sequences
+sapo_temperature_pos, sapo_temperature_neg = 1.0, 1.05  # SAPO's gate temperatures, for A > 0 and A < 0
+vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg = 2.0, 3.0, 3.0, 2.0  # VESPO's weight's shape
+off_policy_mask_threshold = None  # DeepSeek-V3.2: drop a sequence with A < 0 this far off the sampler's policy
+sampler_correction = 'none'  # TIS/MIS: weigh tokens by pi_old / pi_sampler, e.g. 'token_truncate' (loss.py lists them)
+sampler_correction_clip_min, sampler_correction_clip_max = None, 3.0  # that weight's bounds
+entropy_coef = 0.0  # an entropy bonus (verl's entropy_coeff)
+# advantages (loss.group_advantages)
 scale_rewards = 'none'  # advantages r - mean(group), no std: 'group' or 'batch' divides by one
 advantage_estimator = 'grpo'  # the baseline: 'grpo' (group mean), 'rloo' (leave-one-out), 'reinforce_pp'
 multi_objective_aggregation = 'sum_then_normalize'  # or 'normalize_then_sum' (GDPO) for several reward functions
-kl_in_reward = False  # PPO's placement of the KL (beta > 0): in the reward, not in the loss (docs/kl.md)
 top_entropy_quantile = 1.0  # 80/20: the policy term on this share of the step's tokens, highest entropy first
-# the warm start's keys (sft_iters, sft_target_acc, ...) are in sft.SETTINGS, LoRA's (lora_rank, ...) in lora.SETTINGS
+# the warm start (sft.py): supervised steps on the task's answers, so that RL starts from some right ones
+sft_iters = None  # None = up to 1000 from scratch, 0 from a pretrained checkpoint (which needs none)
+sft_batch_size, sft_learning_rate = 64, 1e-3
+sft_target_acc = 0.3  # > 0: stop once greedy accuracy on 256 train prompts reaches it (a fixed count is not robust)
+sft_check_interval = 50  # steps between those checks
+# LoRA (lib/lora.py)
+lora_rank = 0  # 0 = full fine-tuning
+lora_alpha, lora_dropout = 32.0, 0.0  # the adapters' output is scaled by lora_alpha / lora_rank
+lora_targets = ()  # PEFT's target_modules in the family's names, e.g. ('q_proj', 'v_proj'); () = 'all-linear'
+lora_save_merged = False  # each checkpoint also holds merged/: the base with the adapters merged in (for serving)
 # optimization
 num_iterations = 1  # mu: passes over each rollout batch
 steps_per_generation = 1  # optimizer steps per pass
 micro_batch_size = 64  # completions per forward/backward on each rank
 max_iters = 1200  # rollouts
 learning_rate = 1e-4  # RL wants small steps (docs/performance.md: larger ones learnt slower on the default task)
-weight_decay = 0.0
-beta1 = 0.9
-beta2 = 0.99
+weight_decay, beta1, beta2 = 0.0, 0.9, 0.99  # AdamW's
 grad_clip = 1.0  # 0 = off
 warmup_iters = 0  # optimizer steps of linear warmup
-lr_schedule = 'constant'  # or 'cosine' (down to min_lr_ratio * learning_rate)
-min_lr_ratio = 0.1
+lr_schedule, min_lr_ratio = 'constant', 0.1  # or 'cosine', down to min_lr_ratio * learning_rate
 ref_sync_every = 0  # copy the policy into the reference model every N iterations; 0 = never
 ref_model_mixup_alpha = 1.0  # at a sync, ref = alpha * policy + (1 - alpha) * ref (TR-DPO); 1 = a copy
 max_bad_steps = 3  # stop after this many non-finite steps in a row
@@ -107,12 +122,14 @@ device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = 'float32'  # 'float64' (tests), 'bfloat16'/'float16' (autocast), 'auto' (bf16 where 2x faster: lib/measure.py)
 compile = False
 cuda_graphs = False  # on CUDA, replay generate's decode steps as CUDA graphs (engine.py): no host overhead per token
+plain = False  # every speed trick off, its plain reference instead: padded micro-batches, log_softmax(logits).gather
 gradient_checkpointing = False  # recompute each block and the output layer's logits in backward: less memory
 seed = 1337
 peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at start
 
 sys.excepthook = one_line_errors  # bad input is one line, a bug keeps its traceback
-config = configure({**loss_settings(), **sft.SETTINGS, **lora.SETTINGS, **globals()}, sys.argv[1:])
+config = configure(globals(), sys.argv[1:])
+changed = {k: v for k, v in config.items() if v != globals()[k]}  # printed at the start; all in out_dir/config.json
 globals().update(config)
 check_device(device)
 # -----------------------------------------------------------------------------
@@ -127,8 +144,8 @@ tokenizer = config['tokenizer'] = tokenizer or checkpoint.default_tokenizer(init
 if dtype == 'auto':  # rank 0 measures, so that every rank computes in the same dtype
     dtype = config['dtype'] = parallelism.from_rank0(fastest_dtype(device) if master else None)
 autocast = dtype in ('bfloat16', 'float16')
-cfg = SimpleNamespace(**config, world_size=world_size, autocast=autocast, ptdtype=getattr(torch, dtype),
-                      on_policy=num_iterations == 1 and steps_per_generation == 1)  # one update per rollout
+cfg = SimpleNamespace(**dict(config, device=device), world_size=world_size, autocast=autocast,
+                      ptdtype=getattr(torch, dtype), on_policy=num_iterations == 1 and steps_per_generation == 1)
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 loss_config = {k: config[k] for k in (*loss_settings(), 'max_completion_length')}  # grpo_loss's, by name
 loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL is in the reward instead
@@ -178,12 +195,12 @@ def get_lr(step):
 
 
 def forward_backward(mb, num_sequences, num_tokens):
-    """One micro-batch (rows packed: rollout.micro_batches): its log-probs and entropies, grpo_loss, backward.
+    """One micro-batch (rollout.micro_batches): its log-probs and entropies, grpo_loss, backward.
     Returns the loss's stats and what it ran: tokens in its sequences, those not padding, model FLOPs."""
     with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
         need = last_counted(mb['mask'])  # (b,) the output layer runs up to the last token the loss counts only
         logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1], temperature=temperature,
-                               entropy=True, lengths=need, pos=mb['pos'])
+                               entropy=True, lengths=need, pos=mb['pos'], plain=plain)
     old, advantages, sampler = (mb[k].to(logps.dtype) for k in ('old_logps', 'advantages', 'sampler_logps'))
     loss, stats = grpo_loss(logps, None if cfg.on_policy else old, mb.get('ref_logps'), advantages, mb['mask'],
                             **loss_config, num_sequences=num_sequences, num_tokens=num_tokens, sampler_logps=sampler,
@@ -194,10 +211,9 @@ def forward_backward(mb, num_sequences, num_tokens):
 
 
 def policy_update(batch, times, step):
-    """num_iterations passes of steps_per_generation optimizer steps over this rank's rollout batch, each step over
-    micro-batches (gradient accumulation), the first of them the run's step `step`. Returns the stats to log, over
-    every rank, and the run's optimizer steps so far; adds each phase's seconds to times ('comm' has parts in the
-    rollout too)."""
+    """num_iterations passes of steps_per_generation optimizer steps over this rank's rollout batch, each over
+    micro-batches (gradient accumulation), the first the run's step `step`. Returns the stats to log, over every rank,
+    and the run's optimizer steps so far; adds each phase's seconds to times ('comm' has parts in the rollout too)."""
     rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
     # what ran: tokens in the sequences, those not padding, the rows' own (a prompt shared by rows counts for each)
     sums, bad, ran = {}, 0, dict(tokens=0.0, placed=0.0, own=0.0, flops=0.0)
@@ -208,9 +224,9 @@ def policy_update(batch, times, step):
                 num_tokens = all_sum(part['mask'].sum().float())  # the step's normaliser, the same on every rank
                 if top_entropy_quantile < 1:
                     part['entropy_mask'] = top_entropy_mask(raw_model, part, cfg)
-            ran['own'] += (part['start'] + part['mask'].sum(1)).sum().item()  # the rows' prompt and completion
+            ran['own'] += (part['start'] + last_counted(part['mask'])).sum().item()  # each row's prompt, completion
             with phase(times, 'backward', device):  # forward + backward; DDP's all-reduce overlaps the last one
-                for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size)):
+                for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size, plain)):
                     parallelism.set_grad_sync(model, m == rows // micro_batch_size - 1)  # reduce on the last only
                     stats, counts = forward_backward(mb, rows * world_size, num_tokens)
                     ran.update({k: ran[k] + v for k, v in counts.items()})
@@ -240,11 +256,9 @@ def save(it):
     """Checkpoint the state before iteration it (never right after a skipped step: the latest is always good).
     Returns it: the run's last checkpoint now."""
     parallelism.check_replicas(raw_model, it)
-    # LoRA: the base is frozen, so the run's last checkpoint (saved or resumed from) holds ours: link its files
-    base_from = checkpoint.ckpt_dir(out_dir, saved_it) if lora_rank and saved_it is not None else None
     checkpoint.save(out_dir, it, model=raw_model, optimizer=optimizer, ref_model=ref_model,
                     trainer_state=dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size),
-                    tokenizer_dir=tokenizer_dir, save_merged=lora_save_merged, base_from=base_from)
+                    tokenizer_dir=tokenizer_dir, save_merged=lora_save_merged, last=saved_it)
     return it
 
 
@@ -253,28 +267,14 @@ def stop_if_signalled(it):
     print how to resume and exit with 128 + its number. A rollout in progress is dropped (resume samples it again,
     identically); an update in progress is finished first."""
     sig = checkpoint.stop_requested()
-    if not sig:
-        return
-    if bad_in_row == 0 and it != saved_it:
-        save(it)
-    if master:
-        print(checkpoint.stopped_message(sig, it, out_dir, world_size), flush=True)
-    if master and wandb:
-        wandb.finish()
-    parallelism.end(128 + sig)
-
-
-def log_iteration(it, info, stats, clock, mem_mb):
-    """The iteration's line and metrics.jsonl record: the rollout's numbers gathered over ranks, then the update's;
-    info['time']: the seconds per phase of both. clock: the iteration's start, the update's start, its end."""
-    update = clock[2] - clock[1]
-    m = dict(iter=it, **rollout_metrics(info, num_generations, reward_fns, device),
-             train_tok_s=stats.pop('train_tokens') / update, mfu=mfu(stats.pop('flops'), update, peak, world_size),
-             dt=clock[2] - clock[0], mem_mb=mem_mb, **parallelism.resident_mb(raw_model, optimizer, ref_model),
-             **stats, **{f'time/{k}': v for k, v in info['time'].items()})
-    eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
-    if master:
-        log(m, iteration_line(m, max_iters=max_iters, eta=eta, reward_fns=reward_fns), out_dir=out_dir, wandb=wandb)
+    if sig:
+        if bad_in_row == 0 and it != saved_it:
+            save(it)
+        if master:
+            print(checkpoint.stopped_message(sig, it, out_dir, world_size), flush=True)
+        if master and wandb:
+            wandb.finish()
+        parallelism.end(128 + sig)
 
 
 # -----------------------------------------------------------------------------
@@ -296,14 +296,13 @@ if beta == 0:
 elif lora_rank:
     ref_model = raw_model  # the policy itself, whose log-probs rollout.py computes with the adapters off
 else:  # a resumed run's reference is the one it saved (TR-DPO's moves)
-    def saved_reference():
-        return GPT.from_pretrained(os.path.join(state['dir'], 'ref'), dtype=param_dtype).state_dict()
     ref_model = parallelism.frozen_copy(raw_model, device=device, dtype=param_dtype, bf16=bf16,
-                                        read=saved_reference if init_from == 'resume' else None)
+                                        saved=os.path.join(state['dir'], 'ref') if state else None)
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]  # in the dtype the update computes in
 if master:
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
-          f"{prompts_per_step}x{num_generations} completions per iteration", flush=True)
+          f"{prompts_per_step}x{num_generations} completions per iteration; config: "
+          f"{' '.join(f'{k}={v!r}' for k, v in changed.items()) or 'the defaults'}", flush=True)
 
 t_loop = time.time()
 for it in range(iter_start, max_iters + 1):
@@ -337,7 +336,13 @@ for it in range(iter_start, max_iters + 1):
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
                          f"(iteration {it}); the last good checkpoint in {out_dir} is intact. Lower learning_rate "
                          f"or check the rewards, then resume with init_from='resume'")
-    log_iteration(it, info, stats, (t0, t1, time.perf_counter()), max(mem_rollout, memory_mb(device)))
+    m = iteration_metrics(it, rollout_metrics(info, num_generations, reward_fns, device), stats, times=info['time'],
+                          clock=(t0, t1, time.perf_counter()), peak=peak, world_size=world_size,
+                          mem_mb=max(mem_rollout, memory_mb(device)),
+                          **parallelism.resident_mb(raw_model, optimizer, ref_model))
+    eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
+    if master:
+        log(m, iteration_line(m, max_iters=max_iters, eta=eta, reward_fns=reward_fns), out_dir=out_dir, wandb=wandb)
 
 if master and wandb:
     wandb.finish()

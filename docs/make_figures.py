@@ -101,7 +101,7 @@ def real_rollout(run, **overrides):
     last, under the run's config (saved in its checkpoint) changed by overrides. The reference model, when beta > 0,
     is the run's warm start: the policy RL started from. Returns (batch, info, policy, cfg)."""
     state = checkpoint.load_state(run)
-    config = dict(state['config'], **overrides)
+    config = {'plain': False, **state['config'], **overrides}  # runs from before the plain knob lack it
     enc = get_tokenizer(config['tokenizer'])
     cfg = SimpleNamespace(**config, world_size=1, autocast=False, ptdtype=torch.float32, on_policy=True,
                           environment=None, eos_ids=stop_ids(enc, config['chat_template']))

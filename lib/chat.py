@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 
+from lib import gguf_file
 from lib.errors import ConfigError
 from lib.tokenizer import eos_ids
 
@@ -181,3 +182,31 @@ def text_of(ids, cfg, enc):
     vocabulary, which a padded output layer can sample."""
     ids = ids[:-1] if ids and ids[-1] in cfg.eos_ids else ids
     return enc.decode([x for x in ids if x < enc.n_vocab])
+
+
+def template_of(path):
+    """(chat_template, system_prompt) that render_chat needs to reproduce the template of the checkpoint at path (a
+    Hugging Face directory's tokenizer_config.json, or a .gguf's tokenizer.chat_template): 'chatml' or 'llama3' by
+    their special tokens, with the default system message the template inserts, if it is one of those it knows."""
+    if str(path).endswith(".gguf"):
+        jinja = gguf_file.chat_template(path)
+    else:
+        file = os.path.join(path, "tokenizer_config.json")
+        jinja = json.load(open(file)).get("chat_template") if os.path.isfile(file) else None
+    jinja = jinja if isinstance(jinja, str) else ""  # a list of named templates, or none
+    if "<|im_start|>" in jinja:
+        return "chatml", next((s for s in (QWEN25_SYSTEM, SMOLLM2_SYSTEM, QWEN2_SYSTEM) if s in jinja), None)
+    if "<|start_header_id|>" in jinja:
+        return "llama3", None
+    raise ConfigError(f"{path}: its chat template is {'missing' if not jinja else 'neither ChatML (Qwen) nor Llama-3'}"
+                      f"; nanoGRPO renders those two (lib/chat.py): use a checkpoint with one of them")
+
+
+def render_answered(prompt, completion, template, system_prompt=None):
+    """The text of `prompt` answered by `completion` as the template renders the whole conversation (transformers'
+    apply_chat_template with the assistant's message, no generation prompt): what a reward model reads."""
+    if template == "none":
+        return render_chat(prompt, template) + completion
+    head = render_chat(prompt, template, system_prompt)
+    return head + (completion + "<|im_end|>\n" if template == "chatml" else completion.strip() + "<|eot_id|>")
+

@@ -92,19 +92,19 @@ def ckpt_dir(out_dir, it):
     return os.path.join(out_dir, f"ckpt-{it:06d}")
 
 
-def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None, save_merged=False,
-         base_from=None):
+def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None, save_merged=False, last=None):
     """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then. With
     tokenizer_dir, its tokenizer files are copied in too, so the checkpoint is a whole Hugging Face model directory.
     Every rank calls it: under FSDP the weights are gathered to rank 0 a tensor at a time and each rank writes its own
     shard of the optimizer state (optimizer.rank{r}.safetensors; a shared filesystem across nodes); under DDP the
     ranks hold the same state and rank 0 writes it all (optimizer.safetensors). With LoRA and save_merged, merged/
-    holds the base with the adapters merged in, a whole Hugging Face model. base_from (LoRA only): a checkpoint of
-    this run, whose frozen base is this one's: its model files are linked, not gathered and written again."""
+    holds the base with the adapters merged in, a whole Hugging Face model. last: the iteration of the run's last
+    checkpoint (saved or resumed from), if any: with LoRA its frozen base is this one's, so its model files are
+    linked, not gathered and written again."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards = parallelism.sharded(model)
     ref_model = None if ref_model is model else ref_model  # LoRA's reference is the base model: nothing to save
-    base_from = base_from if lora.has_adapters(model) else None
+    base_from = ckpt_dir(out_dir, last) if last is not None and lora.has_adapters(model) else None
     # without LoRA's adapters: the base (every rank takes part under FSDP, so the choice is the same on all)
     weights = parallelism.full_state_dict(model, keep=rank == 0) if save_merged or not base_from else None
     ref_weights = parallelism.full_state_dict(ref_model, keep=rank == 0) if ref_model is not None else None
@@ -142,6 +142,8 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
         os.rename(tmp, final)
         fsync_dir(out_dir)
         write_json(os.path.join(out_dir, 'latest'), name)
+        if 'config' in trainer_state:  # the run that wrote the latest checkpoint, every value
+            write_json(os.path.join(out_dir, 'config.json'), trainer_state['config'])
         for old in os.listdir(out_dir):  # only now is it safe to drop the older checkpoints
             if old.startswith('ckpt-') and old != name or old.startswith('.ckpt-'):
                 shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)

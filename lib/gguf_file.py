@@ -178,6 +178,10 @@ def read_model(path):
 # -----------------------------------------------------------------------------
 # the tokenizer
 
+def chat_template(path):
+    """The chat template (Jinja text) the file carries, or None."""
+    return _metadata(path, "tokenizer.chat_template")
+
 def _vocab(path):
     """tokenizer.ggml.tokens and token_type, checked: one type for each token, and each type one that a byte-level
     BPE has (an UNKNOWN or BYTE token belongs to a SentencePiece vocabulary, whose text llama.cpp and transformers

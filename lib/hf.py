@@ -209,6 +209,10 @@ def _tensors(files, index, weight_map):
             raise ConfigError(f"{index} maps tensor {name!r} to {shard}, which does not hold it: the index and the "
                               f"shards disagree; download the checkpoint's files again")
 
+def read_tensors(path):
+    """Every tensor of the checkpoint at path as (name, file, tensor), one at a time."""
+    return _tensors(*_files(path))
+
 def load_weights(path, cfg, ours, tensors=None):
     """Copy the checkpoint at path into ours, a state dict of a model of config cfg (its tensors share the
     parameters' storage), checking that each tensor is there, once, with the shape the config implies. tensors:

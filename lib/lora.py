@@ -34,15 +34,7 @@ from safetensors.torch import save
 from lib import hf, parallelism
 from lib.errors import ConfigError
 
-# LoRA's config keys, with their defaults: train.py's config takes them from here. The reference policy of a LoRA
-# run is the base (adapters off): no second copy of the model
-SETTINGS = dict(
-    lora_rank=0,  # 0 = full fine-tuning
-    lora_alpha=32.0,  # the adapters' output is scaled by lora_alpha / lora_rank
-    lora_dropout=0.0,
-    lora_targets=(),  # PEFT's target_modules in the family's names, e.g. ('q_proj', 'v_proj'); () = 'all-linear'
-    lora_save_merged=False,  # each checkpoint also holds merged/: the base with the adapters merged in (for serving)
-)
+# the reference policy of a LoRA run is the base (adapters off): no second copy of the model
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PEFT's wrapper (PeftModel.base_model.model) in front of the HF module path
 

@@ -83,6 +83,16 @@ def mfu(flops, seconds, peak, world_size):
     return flops / seconds / (peak * world_size)
 
 
+def iteration_metrics(it, rollout, update, *, times, clock, peak, world_size, **more):
+    """An iteration's record: the rollout's metrics, the update's tokens/s and MFU (from its stats' 'train_tokens' and
+    'flops', over all ranks), the iteration's seconds, more (memory), the update's other stats, each phase's seconds.
+    clock: the iteration's start, the update's start, its end."""
+    seconds = clock[2] - clock[1]
+    return dict(iter=it, **rollout, train_tok_s=update.pop('train_tokens') / seconds,
+                mfu=mfu(update.pop('flops'), seconds, peak, world_size), dt=clock[2] - clock[0], **more, **update,
+                **{f'time/{k}': v for k, v in times.items()})
+
+
 def fastest_dtype(device):
     """What train.py's dtype='auto' computes in: 'bfloat16' (autocast) on a GPU that has it, and on a CPU whose
     bf16 matmuls run at least twice as fast as its float32 ones (bf16 matrix units, e.g. Intel's AMX), else
@@ -139,7 +149,7 @@ def log(metrics, line, *, out_dir, wandb=None):
 
 
 def iteration_line(m, *, max_iters, eta, reward_fns):
-    """An iteration's line in the log, from its metrics m (train.py's log_iteration); reward_fns past the first
+    """An iteration's line in the log, from its metrics m (iteration_metrics'); reward_fns past the first
     (e.g. the format's) add their mean reward."""
     others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in reward_fns[1:])
     return (f"iter {m['iter']}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}"

@@ -80,16 +80,16 @@ def wrap(model, *, device, fsdp, bf16, compile, cuda_graphs=False):
     return model, raw
 
 
-def frozen_copy(model, *, device, dtype, bf16, read=None):
+def frozen_copy(model, *, device, dtype, bf16, saved=None):
     """A frozen copy of model (the KL's reference policy), sharded like it under FSDP so that their state dicts match
-    shard for shard; its weights from read() (a checkpoint's) or, without read, model's. A new module, not a
-    deepcopy, which would share model's compiled decode step."""
+    shard for shard; its weights from the checkpoint directory `saved` (read by rank 0 alone) or, without it, model's.
+    A new module, not a deepcopy, which would share model's compiled decode step."""
     with torch.device('meta' if sharded(model) else device):  # FSDP: sharded before it takes any memory
         ref = type(model)(model.config).to(dtype=dtype).eval().requires_grad_(False)
     if sharded(model):
         shard(ref, bf16).to_empty(device=device)
-    if read:
-        load_whole(ref, read)
+    if saved:
+        load_whole(ref, lambda: type(ref).from_pretrained(saved, dtype=dtype).state_dict())
     else:
         ref.load_state_dict(model.state_dict())
     return ref

@@ -4,7 +4,6 @@ import os
 
 import pytest
 
-from lib import lora
 import sft
 from configurator import ConfigError, check_config, configure
 from loss import check_settings, settings
@@ -14,16 +13,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train_defaults():
-    """The literal module globals of train.py, read without running it (the same dict configure() gets)."""
+    """The literal module globals of train.py before its configure() call, read without running it: the same dict
+    configure() gets."""
     tree = ast.parse(open(os.path.join(ROOT, 'train.py')).read())
     out = {}
     for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        if isinstance(node.targets[0], ast.Name) and node.targets[0].id == 'config':
+            break
+        target, value = node.targets[0], node.value  # `a = 1` or `a, b = 1, 2`
+        names, values = ([target], [value]) if isinstance(target, ast.Name) else (target.elts, value.elts) \
+            if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) else ([], [])
+        for name, v in zip(names, values):
             try:
-                out[node.targets[0].id] = ast.literal_eval(node.value)
+                out[name.id] = ast.literal_eval(v)
             except ValueError:
                 pass
-    return {**settings(), **sft.SETTINGS, **lora.SETTINGS, **out}  # as train.py's configure() gets them
+    return out
 
 
 DEFAULTS = train_defaults()
@@ -38,6 +45,19 @@ def test_defaults_and_every_recipe_pass_the_checks():
             c['init_from'] = 'scratch'
         check_config(c, world_size=8 if 'gpt2' in name else 2)
         check_settings(c)
+
+
+def test_every_knob_is_declared_in_train_py_with_the_loss_s_own_defaults():
+    """One home for every setting: train.py's globals declare grpo_loss's keywords with grpo_loss's defaults (but
+    loss_type, the default run's choice), the warm start's and LoRA's keys; nothing reaches the config otherwise."""
+    loss = settings()
+    for name, default in loss.items():
+        assert name in DEFAULTS, f"grpo_loss's {name} is not declared in train.py"
+        if name != 'loss_type':
+            assert DEFAULTS[name] == default and type(DEFAULTS[name]) is type(default), (name, DEFAULTS[name], default)
+    assert (DEFAULTS['loss_type'], loss['loss_type']) == ('dr_grpo', 'grpo')
+    assert set(sft.KEYS) <= set(DEFAULTS) and {'lora_rank', 'lora_alpha', 'plain'} <= set(DEFAULTS)
+    assert configure(DEFAULTS, []).keys() == DEFAULTS.keys()  # every literal global is config, nothing else is
 
 
 def test_overrides_are_typed():
@@ -118,6 +138,7 @@ def test_bad_config_files(tmp_path):
     (dict(ref_model_mixup_alpha=0.6), 1, "ref_model_mixup_alpha=0.6 blends the policy into the reference every "
                                          "ref_sync_every iterations: it needs beta > 0 and ref_sync_every > 0"),
     (dict(ref_model_mixup_alpha=0.0), 1, "ref_model_mixup_alpha=0.0 must be in (0, 1]"),
+    (dict(plain=True, cuda_graphs=True), 1, "plain=True turns the speed tricks off, cuda_graphs=True turns one on"),
 ])
 def test_impossible_combinations(overrides, world, message):
     c = configure(DEFAULTS, [])

@@ -111,6 +111,39 @@ def test_split_invariance(policy, tmp_path):
     assert max(shared) > 0, shared
 
 
+# the plain path (train.py's plain=True: padded micro-batches, the output layer's log_softmax(logits).gather) against
+# the fast one: off-policy log-prob passes with a reference, the entropy's gradient, a multi-turn run, LoRA
+PLAIN_CASES = {
+    'dr_grpo': [],
+    'mu=2, beta': ['--num_iterations=2', '--beta=0.04', '--loss_type=grpo'],
+    'entropy': ['--top_entropy_quantile=0.5', '--entropy_coef=0.01', '--loss_type=dapo'],
+    'multi-turn': ['--env=multiturn_env:Echo', '--max_turns=3', '--max_completion_length=12', '--loss_type=dapo'],
+    'lora': ['--lora_rank=4', '--beta=0.04'],
+}
+
+
+def test_plain_path_equals_the_fast_one(policy, tmp_path):
+    """Every speed trick off gives the same parameters after a step, and each run did take its own path."""
+    runs = [BASE + [f'--init_from={policy}', '--max_iters=1', f'--plain={plain}', REWARDS, *extra,
+                    f'--out_dir={tmp_path}/{plain}/{name}'] for name, extra in PLAIN_CASES.items()
+            for plain in (False, True)]
+    launch(runs, tmp_path)
+    start = load_file(os.path.join(policy, 'model.safetensors'))
+    saved = {}
+    for name in PLAIN_CASES:
+        lora = name == 'lora'  # its step moves the adapters only; B starts at zero
+        file = 'adapter/adapter_model.safetensors' if lora else 'model.safetensors'
+        fast, plain = weights(f'{tmp_path}/False/{name}', file), weights(f'{tmp_path}/True/{name}', file)
+        assert max_diff(fast, plain) <= 1e-10, name
+        moved = max(v.abs().max().item() for k, v in fast.items() if 'lora_B' in k) if lora else max_diff(fast, start)
+        assert moved > 1e-4, name
+        saved[name] = [json.loads(open(f'{tmp_path}/{p}/{name}/metrics.jsonl').readline())['saved_share']
+                       for p in (False, True)]
+        assert json.load(open(f'{tmp_path}/True/{name}/config.json'))['plain'] is True  # out_dir says what ran
+    assert max(f for f, _ in saved.values()) > 0 and all(p == 0 for _, p in saved.values()), saved  # packing shared
+    # a prompt between rows; the plain path never did
+
+
 # issue 12's knobs, each in a run of its own (with mu = 2 where it matters only off-policy); the mixup run syncs
 # the reference once, at iteration 1
 SECOND_WAVE = {
@@ -126,8 +159,11 @@ SECOND_WAVE = {
     'mixup': ['--beta=0.04', '--ref_sync_every=1', '--ref_model_mixup_alpha=0.5', '--max_iters=2'],
     'multi-turn': ['--env=multiturn_env:Echo', '--max_turns=3', '--max_completion_length=12', '--loss_type=dapo',
                    '--beta=0.04'],
+    # a reward model (its own tokenizer and chat template) beside the verifier, scoring each rank's share
+    'reward model': ["--reward_funcs=('exact_match', 'rm:tests/fixtures/rm/qwen2')", '--reward_weights=(1.0, 0.5)',
+                     '--reward_model_dtype=float64'],
 }
-MULTI_TURN = SECOND_WAVE['multi-turn']
+MULTI_TURN, REWARD_MODEL = SECOND_WAVE['multi-turn'], SECOND_WAVE['reward model']
 
 
 def test_second_wave_split_invariance(policy, tmp_path):
@@ -150,6 +186,10 @@ def test_second_wave_split_invariance(policy, tmp_path):
     turns = list(SECOND_WAVE).index('multi-turn')  # and its rows did take several turns
     calls = [json.loads(line)['env/calls'] for line in open(f'{tmp_path}/1x4/{turns}/metrics.jsonl')]
     assert min(calls) > 0.2, calls
+    rm = list(SECOND_WAVE).index('reward model')  # the same scores on 1 and 2 ranks, and they vary
+    scores = [json.loads(open(f'{tmp_path}/{d}/{rm}/metrics.jsonl').readline()) for d in ('1x4', '2x4', '2x8')]
+    assert max(abs(s['reward/rm:qwen2'] - scores[0]['reward/rm:qwen2']) for s in scores) < 1e-12, scores
+    assert scores[0]['reward_spread/rm:qwen2'] > 0.01
 
 
 def test_multi_node_equals_single_node(policy, tmp_path):
@@ -185,10 +225,10 @@ def metric_lines(out_dir):
     return [{k: v for k, v in r.items() if k not in timing and not k.startswith('time/')} for r in rows]
 
 
-@pytest.mark.parametrize('ranks, turns', [(1, []), (2, []), (1, MULTI_TURN)])
+@pytest.mark.parametrize('ranks, turns', [(1, []), (2, []), (1, MULTI_TURN), (2, REWARD_MODEL)])
 def test_bitwise_resume(policy, tmp_path, ranks, turns):
     """6 iterations straight = 3, stop, resume, 3 more: weights, optimizer state, reference model and rollouts
-    (multi-turn ones too)."""
+    (multi-turn ones too) and their rewards (a reward model's too)."""
     args = BASE + ['--loss_type=grpo', '--beta=0.04', '--num_iterations=2', '--ref_sync_every=2',
                    '--micro_batch_size=4', *turns]
     runs = [args + [f'--init_from={policy}', '--max_iters=6', f'--out_dir={tmp_path}/straight'],

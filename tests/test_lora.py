@@ -351,23 +351,23 @@ def test_decode_graphs_are_kept_per_adapter_state():
 
 
 def test_checkpoints_link_the_frozen_base(tmp_path):
-    """checkpoint.save with base_from: a LoRA run's later checkpoints hard-link the first one's base files instead
-    of writing them again; each checkpoint still loads whole once the earlier ones are removed. Without adapters
-    base_from is ignored: a fine-tuned model's weights change."""
+    """checkpoint.save with last (the run's last checkpoint): a LoRA run's later checkpoints hard-link the first
+    one's base files instead of writing them again; each checkpoint still loads whole once the earlier ones are
+    removed. Without adapters last is ignored: a fine-tuned model's weights change."""
     model = adapted("tiny-llama-a")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     checkpoint.save(str(tmp_path), 1, model, opt, None, {})
     inode = lambda it: os.stat(tmp_path / f"ckpt-{it:06d}" / "model.safetensors").st_ino
     first = inode(1)
     for it in (2, 3):
-        checkpoint.save(str(tmp_path), it, model, opt, None, {}, base_from=str(tmp_path / f"ckpt-{it - 1:06d}"))
+        checkpoint.save(str(tmp_path), it, model, opt, None, {}, last=it - 1)
         assert inode(it) == first and not (tmp_path / f"ckpt-{it - 1:06d}").exists()
     again = GPT.from_pretrained(tmp_path / "ckpt-000003", dtype=torch.float64)
     lora.load_adapter(lora.add_lora(again, 4, 8.0, 0.0, "all-linear"), tmp_path / "ckpt-000003" / "adapter")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())
     plain = load("tiny-llama-a")
     opt = torch.optim.AdamW(plain.parameters())
-    checkpoint.save(str(tmp_path), 4, plain, opt, None, {}, base_from=str(tmp_path / "ckpt-000003"))
+    checkpoint.save(str(tmp_path), 4, plain, opt, None, {}, last=3)
     assert inode(4) != first
 
 
