@@ -222,7 +222,7 @@ def get_reward_fns(names):
             fn = REWARD_FNS[name]
         else:
             raise ConfigError(f"unknown reward function {name!r}; valid names: {', '.join(REWARD_FNS)}, "
-                              f"or 'module:function' for your own")
+                              f"'module:function' for your own, 'rm:DIR' or 'judge:PATH' for a model's")
         fns.append(fn)
     return fns
 

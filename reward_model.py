@@ -110,16 +110,17 @@ def reward_fn(name, cfg):
     if not os.path.exists(path):
         raise ConfigError(f"reward function {name!r}: {path} not found; give a Hugging Face directory" +
                           (" or a .gguf file" if kind == 'judge' else ""))
+    if kind == 'judge' and ('{prompt}' not in cfg.judge_prompt or '{completion}' not in cfg.judge_prompt):
+        raise ConfigError(f"judge_prompt must hold {{prompt}} and {{completion}}, where the prompt and the answer go; "
+                          f"got {cfg.judge_prompt!r:.100} (reward_model.YES_NO is an example)")
     dtype, device = getattr(torch, cfg.reward_model_dtype), cfg.device
-    template, system = template_of(path)
-    enc = get_tokenizer(path)
     if kind == 'rm':
         model, head, pad = load_classifier(path, dtype)
     else:
         model = GPT.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
-        if '{prompt}' not in cfg.judge_prompt or '{completion}' not in cfg.judge_prompt:
-            raise ConfigError(f"judge_prompt must hold {{prompt}} and {{completion}}, where the prompt and the answer "
-                              f"go; got {cfg.judge_prompt!r:.100} (reward_model.YES_NO is an example)")
+    template, system = template_of(path)  # its own chat template, whatever the policy's
+    enc = get_tokenizer(path)
+    if kind == 'judge':
         tokens = [_ids(enc, t) for t in cfg.judge_tokens]
         if len(tokens) < 2 or any(len(t) != 1 for t in tokens):
             raise ConfigError(f"judge_tokens={cfg.judge_tokens!r}: give two or more strings that are one token each in "

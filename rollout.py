@@ -86,10 +86,7 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     # LoRA: sample from the weights with the adapters merged in (no adapter matmuls in the decode steps). Not under
     # autocast: the merged weight, rounded to bf16, would lose most of a small update
     merge = merged(model) if has_adapters(model) and not cfg.autocast else nullcontext()
-    turns, record, ends = None, None, cfg.eos_ids
-    if cfg.environment is not None:  # a turn also ends at the environment's own stop strings
-        turns, record = multiturn.episodes(cfg.environment, rows, G, cfg, enc)
-        ends = cfg.eos_ids + multiturn.stop_ids(cfg.environment, enc)
+    turns, record, ends = multiturn.episodes(cfg.environment, rows, G, cfg, enc)  # None, None, eos: one turn
     with merge, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
         tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
                                              top_p=cfg.top_p, eos_id=ends, generator=gens, turns=turns,
@@ -149,11 +146,8 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         t = lap(times, 'reward', t, device)
         scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]] for f in reward_fns],
                               dtype=torch.float64).T
-        per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated, scores=scores)
-        if record:  # the environment's observations per row, and those that report an error (a malformed call)
-            per_row['calls'] = torch.tensor([len(e['observations']) for e in record])
-            per_row['errors'] = torch.tensor([sum(o.lstrip().startswith('error') for o in e['observations'])
-                                              for e in record])
+        per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated, scores=scores,
+                       **multiturn.counts(record))
         groups = [dict(prompt=prompts[g], **{k: v[g * G:(g + 1) * G] for k, v in per_row.items()})
                   for g in range(len(rows))]  # a group = one prompt and its G completions, kept or dropped whole
         if not cfg.dynamic_sampling:
@@ -234,11 +228,7 @@ def rollout_metrics(info, G, reward_fns, device):
     for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # absent when there are none
         if rows.any():
             m[key] = lengths[rows].mean().item()
-    if 'calls' in info:  # multi-turn: how often the policy calls the environment, and how often it errs
-        calls, errors = (gather(info[k].to(device, torch.float64)).cpu() for k in ('calls', 'errors'))
-        m.update({'env/call_rate': (calls > 0).double().mean().item(), 'env/calls': calls.mean().item(),
-                  'env/error_share': errors.sum().item() / max(calls.sum().item(), 1.0)})
-    return m
+    return dict(m, **multiturn.metrics(info, lambda x: gather(x.to(device))))
 
 
 def micro_batches(batch, size, plain=False):

@@ -14,3 +14,4 @@ judge_prompt = ("Question: {prompt}\nAnswer: {completion}\n\nDoes the answer sta
                 "else? Reply Yes or No.")
 judge_tokens = ('Yes', 'No')
 reward_model_dtype = 'bfloat16'  # the judge's forward: bf16 matmuls where the CPU has bf16 units (AMX)
+scale_rewards = 'group'  # the judge's probabilities differ by hundredths within a group: divided by the group's std

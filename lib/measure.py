@@ -150,11 +150,13 @@ def log(metrics, line, *, out_dir, wandb=None):
 
 def iteration_line(m, *, max_iters, eta, reward_fns):
     """An iteration's line in the log, from its metrics m (iteration_metrics'); reward_fns past the first
-    (e.g. the format's) add their mean reward."""
+    (e.g. the format's) add their mean reward, and a reward model or judge the seconds of scoring."""
     others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in reward_fns[1:])
+    models = any(f.__name__.startswith(('rm:', 'judge:')) for f in reward_fns)  # their forwards: a phase worth a look
     return (f"iter {m['iter']}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}"
             f"{others} | flat {m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc "
             f"{m['truncated']:.2f} | kl {m['kl']:.4f} | entropy {m['entropy']:.2f} | clip {m['clip_ratio/region']:.3f}"
             f" | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} | rollout {m['rollout_tok_s']:.0f} tok/s | train "
             f"{m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | {m['dt']:.2f}s | eta {hms(eta)}" +
+            (f" | scoring {m['time/reward']:.2f}s" if models else "") +
             (f" | {m['bad_steps']} non-finite step(s) skipped" if m['bad_steps'] else ""))

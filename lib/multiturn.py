@@ -20,13 +20,17 @@ def environment(name, sandbox):
     return get_env(name, sandbox)
 
 
-@functools.lru_cache(maxsize=8)
 def stop_ids(env, enc):
     """The ids the sampler stops a row at for env's stop strings (episodes then asks whether the text ends
     with one): a stop that is one token, that token; a longer one, every ordinary token whose bytes end with its
     last byte."""
+    return _stop_ids(tuple(getattr(env, 'stop', ())), enc)
+
+
+@functools.lru_cache(maxsize=8)
+def _stop_ids(stops, enc):
     ids, special = set(), {enc.encode_single_token(t) for t in enc.special_tokens_set}
-    for s in getattr(env, 'stop', ()):
+    for s in stops:
         try:
             ids.add(enc.encode_single_token(s))
         except KeyError:
@@ -43,9 +47,13 @@ def _token_bytes(enc, i):
 
 
 def episodes(env, rows, G, cfg, enc):
-    """A multi-turn generate's turns callback (engine.py) and the record of each row's episode: after each turn the
-    policy ends, env.step(row, text) gives the observation to append (text is the trajectory so far: the policy's
-    turns and the observations between them) or None, the end of the episode, as is reaching max_turns turns."""
+    """(turns, record, ends): a multi-turn generate's turns callback (engine.py), the record of each row's episode and
+    the ids that end a turn (the eos ids and the environment's stops); (None, None, the eos ids) without env. After
+    each turn the policy ends, env.step(row, text) gives the observation to append (text is the trajectory so far:
+    the policy's turns and the observations between them) or None, the end of the episode, as is reaching max_turns
+    turns."""
+    if env is None:
+        return None, None, cfg.eos_ids
     record = [dict(observations=[], finished=False) for _ in range(len(rows) * G)]
     stops = tuple(getattr(env, 'stop', ()))
 
@@ -59,7 +67,26 @@ def episodes(env, rows, G, cfg, enc):
             return None
         seen.append(observation)
         return encode_observation(observation, cfg, enc)
-    return turns, record
+    return turns, record, cfg.eos_ids + stop_ids(env, enc)
+
+
+def counts(record):
+    """Per row: the observations the environment gave, and those that report an error (a malformed call); none
+    without an episode record."""
+    if not record:
+        return {}
+    return dict(calls=torch.tensor([len(e['observations']) for e in record]),
+                errors=torch.tensor([sum(o.lstrip().startswith('error') for o in e['observations']) for e in record]))
+
+
+def metrics(info, gather):
+    """What the log says of the episodes, over all ranks (gather): how often the policy calls the environment, and
+    how often it errs; none in a single-turn run."""
+    if 'calls' not in info:
+        return {}
+    calls, errors = (gather(info[k].to(torch.float64)).cpu() for k in ('calls', 'errors'))
+    return {'env/call_rate': (calls > 0).double().mean().item(), 'env/calls': calls.mean().item(),
+            'env/error_share': errors.sum().item() / max(calls.sum().item(), 1.0)}
 
 
 def encode_observation(text, cfg, enc):

@@ -13,9 +13,9 @@ $ python -m scripts.bench --soak                           # 200 iterations of t
 
 Sections: the machine's matmul peak (every MFU is against it), sampling (KV cache vs naive full recompute, and a
 batch where half the rows end early), the log-prob pass (chunked, also with each token's entropy, vs a plain full
-log-softmax), one training step (forward, GRPO loss, backward, clip, AdamW), whole GRPO iterations of train.py
-itself, phase by phase, building a Hugging Face tokenizer, what each rank holds under DDP, FSDP and LoRA (scale),
-and each rank's memory while train.py starts from a checkpoint (start).
+log-softmax), one training step (forward, GRPO loss, backward, clip, AdamW), a reward model's scoring pass (packed
+and plain), whole GRPO iterations of train.py itself, phase by phase, building a Hugging Face tokenizer, what each
+rank holds under DDP, FSDP and LoRA (scale), and each rank's memory while train.py starts from a checkpoint (start).
 """
 import json
 import sys
@@ -23,11 +23,12 @@ import sys
 import torch
 
 from scripts.benchmarks.common import SECTIONS as NAMES, build_model, get_args
-from scripts.benchmarks.kernels import bench_logprobs, bench_matmul_peak, bench_sampling, bench_train_step
+from scripts.benchmarks.kernels import (bench_logprobs, bench_matmul_peak, bench_reward_model, bench_sampling,
+                                       bench_train_step)
 from scripts.benchmarks.runs import bench_iteration, bench_multiturn, bench_scale, bench_start, bench_tokenizer, soak
 
-SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_iteration, bench_multiturn,
-            bench_tokenizer, bench_scale, bench_start]
+SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_reward_model, bench_iteration,
+            bench_multiturn, bench_tokenizer, bench_scale, bench_start]
 assert [s.__name__[6:] for s in SECTIONS[1:]] == list(NAMES)  # the names --only takes
 
 

@@ -4,6 +4,7 @@ requirements-extra.txt).
 
 $ python scripts/plot.py out-dr_grpo               # writes out-dr_grpo/curves.png
 $ python scripts/plot.py out-dr_grpo out-grpo      # several runs on the same axes, one colour each
+With several reward functions, each one's mean is drawn beside the reward.
 """
 import json
 import os
@@ -31,6 +32,10 @@ def main(out_dirs):
         train, evals = read(out_dir)
         name = os.path.basename(os.path.normpath(out_dir))
         ax_r.plot([r['iter'] for r in train], [r['reward'] for r in train], color=color, alpha=0.8, label=name)
+        fns = [k for k in train[0] if k.startswith('reward/')]
+        for style, key in zip((':', '-.', (0, (1, 4)), (0, (5, 1))), fns if len(fns) > 1 else ()):  # each function
+            ax_r.plot([r['iter'] for r in train], [r[key] for r in train], linestyle=style, color=color,
+                      label=f'{name} {key[7:]}')  # e.g. a judge's reward beside verifiers of the same property
         ax_a.plot([r['iter'] for r in evals], [r['eval/greedy_acc'] for r in evals], 'o-', color=color,
                   label=f'{name} greedy')
         ax_a.plot([r['iter'] for r in evals], [r['eval/pass@1'] for r in evals], '--', color=color,

@@ -166,7 +166,7 @@ def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
                           num_generations=1)
     seen = []
     env = SimpleNamespace(step=lambda row, text: seen.append(text) or '[ok]')
-    turns, record = episodes(env, [{'prompt': 'p', 'answer': 'a'}], 1, cfg, enc)
+    turns, record, _ = episodes(env, [{"prompt": "p", "answer": "a"}], 1, cfg, enc)
     assert turns(0, enc.encode_ordinary('ab') + [enc.eot_token]) == enc.encode_ordinary('[ok]')
     assert turns(0, enc.encode_ordinary('ab[ok]c') + [enc.eot_token]) is None  # the 2nd turn is the last
     assert seen == ['ab'] and record == [dict(observations=['[ok]'], finished=True)]
@@ -223,7 +223,7 @@ def test_a_stop_string_of_several_tokens_ends_a_turn_where_the_text_ends_with_it
     assert all(bpe.decode_single_token_bytes(i).endswith(b'>') for i in ids)
     assert not {bpe.encode_single_token(t) for t in bpe.special_tokens_set} & set(ids)
     cfg = SimpleNamespace(max_turns=4, chat_template='none', eos_ids=[enc.eot_token])
-    turns, record = episodes(env, [{'prompt': 'p'}], 1, cfg, enc)
+    turns, record, _ = episodes(env, [{"prompt": "p"}], 1, cfg, enc)
     assert turns(0, enc.encode_ordinary('2 <b> 3')) == []  # a '>', not the end of '</calc>'
     assert turns(0, enc.encode_ordinary('<calc>2*3</calc>')) == enc.encode_ordinary('[16>]')
     assert record[0]['observations'] == ['[16>]']

@@ -175,8 +175,16 @@ def test_get_reward_fns():
     assert get_reward_fns("numeric_match") == [numeric_match]
     assert get_reward_fns("countdown_reward") == [countdown_reward]
     with pytest.raises(ValueError, match="unknown reward function 'exact'; valid names: exact_match, final_answer_match, "
-                                         "numeric_match, countdown_reward, format, boxed, overlong"):
+                                         "numeric_match, single_number, countdown_reward, format, boxed, overlong, "
+                                         "'module:function' for your own, 'rm:DIR' or 'judge:PATH' for a model's"):
         get_reward_fns(["exact_match", "exact"])
+
+
+def test_single_number():
+    """What config/judge.py asks its judge, measured without it: exactly one number in the answer."""
+    (fn,) = get_reward_fns("single_number")
+    assert fn(["q"] * 6, ["56", "It is 56.", "7 x 8 = 56", "fifty-six", "1,000 exactly", "-3.5 and 2"]) == \
+        [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
 
 def test_get_reward_fns_imports_module_functions(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text("def brevity(prompts, completions, **kw):\n"

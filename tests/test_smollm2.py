@@ -121,3 +121,18 @@ def test_recipe_runs_two_iterations(tmp_path):
     ckpt = os.path.join(out, json.load(open(out / "latest")))
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(os.listdir(ckpt))
     assert load_hf_tokenizer(ckpt).encode("What is 7 times 8?") == get_tokenizer(GGUF).encode("What is 7 times 8?")
+
+
+@needs_wheel
+def test_judge_recipe_runs_two_iterations(tmp_path):
+    """config/judge.py as written, small: SmolLM2 judges its own answers (the reward its P(Yes) / (P(Yes) + P(No))),
+    the verifiers beside it are measured and weigh nothing."""
+    out = tmp_path / "out"
+    p = run(["config/judge.py", "--max_iters=2", "--block_size=96", "--max_completion_length=6", "--eval_size=4",
+             "--eval_interval=2", "--save_interval=0", "--task_options={}", "--sft_iters=0"], out)
+    rows = [m for m in metrics(out) if "reward" in m]
+    assert [m["iter"] for m in rows] == [0, 1] and "eval 2: greedy acc" in p.stdout
+    for m in rows:  # the reward is the judge's alone: a probability, spread within the groups
+        assert 0 < m["reward/judge:SmolLM2-135M-Instruct.Q4_1.gguf"] == m["reward"] < 1
+        assert m["reward_spread/judge:SmolLM2-135M-Instruct.Q4_1.gguf"] > 0 and "reward/single_number" in m
+

@@ -21,7 +21,8 @@ from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: train.py
 # after the peak, which always runs
-SECTIONS = ("sampling", "logprobs", "train_step", "iteration", "multiturn", "tokenizer", "scale", "start")
+SECTIONS = ("sampling", "logprobs", "train_step", "reward_model", "iteration", "multiturn", "tokenizer", "scale",
+            "start")
 
 DEFAULT = dict(n_layer=6, n_head=6, n_embd=384, vocab_size=50304)  # a 30M GPT-2: the shape without --preset
 # the GPTConfig fields of real models (their config.json); the Llama family has no biases but Qwen2's q/k/v ones

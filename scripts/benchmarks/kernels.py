@@ -207,3 +207,27 @@ def bench_train_step(args, model, results):
         mfu=flops / seconds / (results["peak"]["tflops"] * 1e12), peak_mb=peak / 2**20)
     if vs_full is not None:
         results["train_step"]["time_vs_full_length"] = vs_full
+
+
+def bench_reward_model(args, model, results):
+    """A reward model's pass over a GRPO batch (reward_model.py): this shape as the classifier's decoder, each row's
+    final hidden state at its last token (a score layer's matmul on top is nothing), packed as the trainer scores
+    (a group's shared prompt once) and plain (each row its own padded sequence), in micro-batches of
+    --micro_batch_size; MFU of the forward against the peak."""
+    from reward_model import last_hidden
+    idx, start, mask = grpo_batch(args)  # with --lengths geometric, rows of geometric completion lengths
+    rows = [ids[:s + n] for ids, s, n in zip(idx.tolist(), start.tolist(), mask.sum(1).tolist())]
+    groups = [b // args.G for b in range(len(idx))]
+    r = results["reward_model"] = {}
+    tokens = sum(map(len, rows))
+    head = 2 * args.vocab_size * args.n_embd  # the output layer's share of a token's FLOPs: a reward model skips it
+    flops = sum(len(ids) * (model.flops_per_token(len(ids), backward=False) - head) for ids in rows)
+    for plain in (False, True):
+        cfg = argparse.Namespace(micro_batch_size=args.micro_batch_size, plain=plain)
+        with autocast(args):
+            seconds = timed(lambda: last_hidden(model, rows, groups, cfg), args.device, args.repeat)
+        name = "plain" if plain else "packed"
+        r[f"{name}_s"], r[f"{name}_tokens_per_s"] = seconds, tokens / seconds
+        r[f"{name}_mfu"] = flops / seconds / (results["peak"]["tflops"] * 1e12)
+    r["packed_speedup"] = r["plain_s"] / r["packed_s"]
+
