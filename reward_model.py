@@ -69,7 +69,10 @@ def load_classifier(path, dtype=torch.float32):
 @torch.inference_mode()
 def last_hidden(model, rows, groups, cfg):
     """rows: token lists. Each row's final hidden state at its last token, (len(rows), n_embd): the rows of a group
-    (groups: one key per row, e.g. its prompt) hold the tokens they all begin with once (rollout.micro_batches)."""
+    (groups: one key per row, e.g. its prompt) hold the tokens they all begin with once (rollout.micro_batches). A
+    row longer than the model's block_size keeps its last block_size tokens, where it is read: the policy's text
+    never makes a reward raise."""
+    rows = [ids[-model.config.block_size:] for ids in rows]
     first = {}
     for ids, g in zip(rows, groups):  # the group's common beginning
         p = first.setdefault(g, ids)

@@ -123,6 +123,16 @@ def test_the_judge_reads_its_next_token_distribution(judge, tokens, micro_batch_
     assert len(set(got)) == len(got)  # each completion its own reward
 
 
+def test_a_text_longer_than_the_judge_s_context_is_read_at_its_end(judge):
+    """Model text never raises: a judge prompt past the judge's block_size (256 here) keeps its last 256 tokens."""
+    model = GPT.from_pretrained(judge, dtype=torch.float32).eval()
+    long = ' '.join(['seven'] * 400)
+    for plain in (False, True):
+        got = reward_model.last_hidden(model, [[5] * 300, [5] * 10], [0, 1], settings(plain=plain))
+        torch.testing.assert_close(got[0], model.hidden(torch.tensor([[5] * 256]))[0, -1], atol=1e-5, rtol=0)
+    assert 0 < reward_model.reward_fn(f'judge:{judge}', settings())(['What is 7 times 8?'], [long])[0] < 1
+
+
 def test_a_gguf_judge(tmp_path):
     """A judge from a .gguf (its tokenizer and chat template in the file), as llama.cpp's converter writes it."""
     pytest.importorskip('gguf')
