@@ -70,7 +70,7 @@ def configure(defaults, argv):
         if not arg.startswith('--'):  # a config file: exec it on top of the defaults
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file '{arg}' not found; pass a path like config/dr_grpo.py")
-            scope = dict(config)
+            scope = dict(config, __file__=os.path.abspath(arg))  # a config can find the files beside it
             try:
                 exec(compile(open(arg).read(), arg, 'exec'), scope)
             except SyntaxError as e:

