@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, GPTConfig
-from rollout import micro_batches
+from rollout import micro_batches, pack
 from lib import hf
 from lib.chat import render_answered, render_chat, template_of
 from lib.errors import ConfigError
 from lib.tokenizer import get_tokenizer
 
-# a judge's question for a yes/no rubric (judge_prompt's default shape: {prompt} and {completion} are filled in)
+# an example judge_prompt, a yes/no rubric: {prompt} and {completion} are filled in
 YES_NO = "Question: {prompt}\nAnswer: {completion}\n\nDoes the answer state a single number? Reply Yes or No."
 
 
@@ -77,12 +77,10 @@ def last_hidden(model, rows, groups, cfg):
     for ids, g in zip(rows, groups):  # the group's common beginning
         p = first.setdefault(g, ids)
         first[g] = p[:next((i for i, (a, b) in enumerate(zip(p, ids)) if a != b), min(len(p), len(ids)))]
-    start = torch.tensor([max(1, min(len(first[g]), len(ids) - 1)) for ids, g in zip(rows, groups)])  # (B,)
+    shared = [max(1, min(len(first[g]), len(ids) - 1)) for ids, g in zip(rows, groups)]  # at least a token each side
+    idx, start = pack([ids[:s] for ids, s in zip(rows, shared)], [ids[s:] for ids, s in zip(rows, shared)], 0)
     lengths = torch.tensor([len(ids) for ids in rows])  # (B,)
     dev = model.lm_head.weight.device
-    idx = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
-    for b, ids in enumerate(rows):
-        idx[b, :len(ids)] = torch.tensor(ids)
     C = int((lengths - start).max())
     mask = torch.arange(max(C, 1)) < (lengths - start)[:, None]  # (B, C) each row's own tokens after the shared ones
     out = torch.zeros(len(rows), model.config.n_embd, device=dev, dtype=model.lm_head.weight.dtype)
