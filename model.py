@@ -315,7 +315,7 @@ class GPT(nn.Module):
         if plain:  # the reference: the (k, vocab) logits at once, their log-softmax in float32 (or float64)
             logits = self.lm_head(h)
             logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
-            out = (logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1))[:1 + entropy]
+            out = [logp.gather(1, targets[:, None]).squeeze(1)] + ([-(logp.exp() * logp).sum(-1)] if entropy else [])
         else:  # the same numbers in chunks of rows, each chunk's float32 logits near 256 MB; backward recomputes
             # them when the blocks are recomputed too (gradient checkpointing: memory before time), else keeps them
             hold = torch.is_grad_enabled() and not self.gradient_checkpointing

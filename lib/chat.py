@@ -11,6 +11,7 @@ import os
 
 from lib import gguf_file
 from lib.errors import ConfigError
+from lib.hf import read_json
 from lib.tokenizer import eos_ids
 
 # the system message that Qwen2-Instruct's and Qwen2.5-Instruct's templates insert when the first one is not
@@ -192,7 +193,8 @@ def template_of(path):
         jinja = gguf_file.chat_template(path)
     else:
         file = os.path.join(path, "tokenizer_config.json")
-        jinja = json.load(open(file)).get("chat_template") if os.path.isfile(file) else None
+        jinja = read_json(file, "", "restore it from the checkpoint's files").get("chat_template") \
+            if os.path.isfile(file) else None
     jinja = jinja if isinstance(jinja, str) else ""  # a list of named templates, or none
     if "<|im_start|>" in jinja:
         return "chatml", next((s for s in (QWEN25_SYSTEM, SMOLLM2_SYSTEM, QWEN2_SYSTEM) if s in jinja), None)
@@ -209,4 +211,3 @@ def render_answered(prompt, completion, template, system_prompt=None):
         return render_chat(prompt, template) + completion
     head = render_chat(prompt, template, system_prompt)
     return head + (completion + "<|im_end|>\n" if template == "chatml" else completion.strip() + "<|eot_id|>")
-

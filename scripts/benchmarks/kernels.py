@@ -230,4 +230,3 @@ def bench_reward_model(args, model, results):
         r[f"{name}_s"], r[f"{name}_tokens_per_s"] = seconds, tokens / seconds
         r[f"{name}_mfu"] = flops / seconds / (results["peak"]["tflops"] * 1e12)
     r["packed_speedup"] = r["plain_s"] / r["packed_s"]
-
