@@ -34,8 +34,8 @@ def target(row, cfg, enc):
     for k, turn in enumerate(turns or [row['answer']]):
         if k:  # what the environment answers to the turns so far
             observation = cfg.environment.step(row, text)
-            seen = multiturn.encode_observation(observation, cfg, enc)
-            ids, own, text = ids + seen, own + [0] * len(seen), text + observation
+            seen = multiturn.encode_observation(observation, enc)
+            ids, own, text = ids + seen, own + [0] * len(seen), text + multiturn.observation_text(observation)
         mine = enc.encode_ordinary(turn)
         ids, own, text = ids + mine, own + [1] * len(mine), text + turn
     return ids + [cfg.eos_ids[0]], own + [1]

@@ -124,8 +124,14 @@ def render_chat(prompt, template, system_prompt=None, enable_thinking=None, tool
 
 
 def _tool_results(results):
-    """A run of tool results as Qwen2.5's template renders it: one user turn of <tool_response> blocks."""
-    return "<|im_start|>user" + "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results) + "<|im_end|>\n"
+    """A run of tool results as Qwen2.5's template renders it, one user turn of <tool_response> blocks, in parts
+    that alternate the template's markup and the results."""
+    parts = ["<|im_start|>user"]
+    for result in results:
+        parts[-1] += "\n<tool_response>\n"
+        parts += [result, "\n</tool_response>"]
+    parts[-1] += "<|im_end|>\n"
+    return parts
 
 
 def _render_with_tools(messages, tools):
@@ -136,7 +142,7 @@ def _render_with_tools(messages, tools):
     lines = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
     text = f"<|im_start|>system\n{system}{QWEN25_TOOLS_HEAD}{lines}{QWEN25_TOOLS_TAIL}<|im_end|>\n"
     for is_tool, run in itertools.groupby(rest, key=lambda m: m["role"] == "tool"):
-        text += _tool_results([m["content"] for m in run]) if is_tool else \
+        text += "".join(_tool_results([m["content"] for m in run])) if is_tool else \
             "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in run)
     return text + "<|im_start|>assistant\n"
 
@@ -147,12 +153,20 @@ def render_tool_turn(results, template="chatml"):
     <tool_response> blocks, and the header of the assistant's next answer. So that render_chat(prompt, 'chatml',
     tools=...) + the assistant's text + '<|im_end|>' + render_tool_turn(results) is render_chat of the conversation
     with the assistant's turn and the results: a multi-turn rollout extends its text, and never re-renders it."""
+    return "".join(tool_turn_parts(results, template))
+
+
+def tool_turn_parts(results, template="chatml"):
+    """render_tool_turn's text in parts that alternate the template's markup and the results, as a multi-turn
+    rollout encodes it: the markup's special tokens are theirs, the results are ordinary text whatever they hold."""
     if template != "chatml":
         raise ConfigError(f"render_tool_turn renders chat_template 'chatml' (Qwen2.5's tool results), not "
                           f"{template!r}")
     if not isinstance(results, list) or not results or not all(isinstance(r, str) for r in results):
         raise ConfigError(f"render_tool_turn takes a non-empty list of result strings, not {results!r:.100}")
-    return "\n" + _tool_results(results) + "<|im_start|>assistant\n"
+    parts = _tool_results(results)
+    parts[0], parts[-1] = "\n" + parts[0], parts[-1] + "<|im_start|>assistant\n"
+    return parts
 
 
 def encode_prompt(prompt, cfg, enc):

@@ -2,10 +2,12 @@
 Environments for multi-turn rollouts (train.py's env): after each turn the policy ends, the environment says what
 the policy observes next, or that the episode is over. An environment is any object with
 
-    step(row, text) -> str or None   row: the dataset row ('prompt', 'answer', ...); text: the trajectory so far,
-                                     the policy's turns and the observations between them. Returns the text to
-                                     append (rendered by the chat template where it is a tool or user turn), or
-                                     None: the episode is over.
+    step(row, text) -> str, list or None   row: the dataset row ('prompt', 'answer', ...); text: the trajectory so
+                                     far, the policy's turns and the observations between them. Returns the text
+                                     to append, or None: the episode is over. A str is read as ordinary text, never
+                                     as special tokens; a tool or user turn in a chat template is a list that
+                                     alternates the template's markup, special tokens and all, with what the tools
+                                     printed (chat.tool_turn_parts; multiturn.encode_observation).
     stop                             optional: strings that end a turn besides the end of turn: where the
                                      policy's text comes to end with one (of one token or several).
 
@@ -17,7 +19,8 @@ context, never actions: engine.py reads them into the KV cache after the policy'
 still come from reward functions, which see each row's observations as a column.
 """
 from lib import tools
-from lib.chat import render_tool_turn
+from lib.sandbox import SANDBOXES, sandbox_problem
+from lib.chat import tool_turn_parts
 from lib.errors import ConfigError, import_named
 
 
@@ -34,10 +37,10 @@ class Calculator:
 
 class QwenTools:
     """Qwen's tool calls: an assistant turn that ends with <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-    gets the tool's result in a tool turn, as Qwen2.5's template renders one (chat.render_tool_turn); a malformed
+    gets the tool's result in a tool turn, as Qwen2.5's template renders one (chat.tool_turn_parts); a malformed
     call gets an observation that says what is wrong with it. Give the tools' descriptions to the model in its
     system message: render_chat(..., tools=[d for _, d in env.tools.values()]). The python tool runs in the
-    sandbox named (tools.SANDBOXES), checked here: a policy that cannot be isolated stops the run before it starts."""
+    sandbox named (SANDBOXES), checked here: a policy that cannot be isolated stops the run before it starts."""
     def __init__(self, available=None, sandbox='bwrap'):
         self.tools = available or tools.tool_set(sandbox)
         if 'python' in self.tools:
@@ -46,7 +49,7 @@ class QwenTools:
     def step(self, row, text):
         if not text.rstrip().endswith('</tool_call>'):
             return None  # an answer, not a call
-        return render_tool_turn([tools.call_tool(text, self.tools)])
+        return tool_turn_parts([tools.call_tool(text, self.tools)])
 
 
 ENVS = {'calculator': Calculator, 'qwen_tools': QwenTools}
@@ -55,12 +58,12 @@ ENVS = {'calculator': Calculator, 'qwen_tools': QwenTools}
 def check_sandbox(sandbox):
     """Before any rollout: a ConfigError unless tools.python can isolate the policy's programs as `sandbox` says
     ('none' runs them unisolated, with a warning)."""
-    if sandbox not in tools.SANDBOXES:
-        raise ConfigError(f"unknown sandbox {sandbox!r}; choose one of {', '.join(tools.SANDBOXES)}")
+    if sandbox not in SANDBOXES:
+        raise ConfigError(f"unknown sandbox {sandbox!r}; choose one of {', '.join(SANDBOXES)}")
     if sandbox == 'none':
         print("warning: sandbox='none': the python tool runs the policy's programs unisolated, as this user, with "
               "its files, network and processes; use it only for programs you would run yourself")
-    elif problem := tools.sandbox_problem():
+    elif problem := sandbox_problem():
         raise ConfigError(f"the python tool cannot isolate the policy's programs here: {problem}; or set "
                           f"sandbox='none' to run them unisolated")
 

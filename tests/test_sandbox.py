@@ -21,12 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from lib import tools
+from lib import sandbox
 from lib.envs import QwenTools
-from multiturn_env import hostile_call, junk
-from lib.tools import TOOLS, call_tool, calculator, python, sandbox_problem
+from lib.multiturn import observation_text
+from multiturn_env import hostile_call, hostile_program, junk
+from lib.sandbox import python, sandbox_problem
+from lib.tools import TOOLS, call_tool, calculator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = Path(__file__).parent
 needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
 TRY = """import os
 try:
@@ -62,7 +65,7 @@ def test_reads_nothing_of_the_host(target, planted):
 
 @needs_sandbox
 def test_its_root_holds_the_interpreter_only():
-    top = {"bin", "dev", "lib", "lib32", "lib64", "proc", "tmp", "usr", tools.interpreter().split("/")[1]}
+    top = {"bin", "dev", "lib", "lib32", "lib64", "proc", "tmp", "usr", sandbox.interpreter().split("/")[1]}
     assert set(eval(python("import os\nprint(sorted(os.listdir('/')))"))) <= top
 
 
@@ -112,7 +115,7 @@ def test_no_host_listener_is_reachable():
         port = server.getsockname()[1]
         out = attempt(f"import socket\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
                       f"    print('connected')")
-        assert out in ("ConnectionRefusedError 111\n", "OSError 101\n")
+        assert out == "OSError 97\n"  # no network socket at all (the seccomp filter)
         with pytest.raises(TimeoutError):
             server.accept()
 
@@ -134,6 +137,132 @@ def test_two_sandboxes_at_once_cannot_see_each_other():
     pids, cmdlines, seen, _ = results["B"].split("\n")
     assert pids == "['1', '2']" and "secret" not in cmdlines and seen == "False"
     assert results["A"] == "2\n['main.py', 'secret.txt']\n"
+
+
+# -----------------------------------------------------------------------------
+# round two (issue 44): memory and disk that no process limit counted, the tool made to raise, forged turns
+
+C_CALL = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nr = {0}\nprint(r, ctypes.get_errno() if r == -1 else 0)"
+
+
+def c_call(call, **kw):
+    """What a C call returns in the sandbox, and its errno: '-1 1\\n' is EPERM, the seccomp filter's answer."""
+    return python(C_CALL.format(call), **kw)
+
+
+@needs_sandbox
+def test_dev_is_read_only():
+    """bwrap's /dev is a tmpfs that a file could grow to half our RAM (1 MB a file, as many files as it likes)."""
+    assert attempt("open('/dev/f0', 'wb').write(bytes(2 ** 20))") == "OSError 30\n"  # a read-only file system
+    assert python("open('/dev/null', 'w').write('x')\nprint(len(open('/dev/urandom', 'rb').read(8)))") == "8\n"
+
+
+@needs_sandbox
+@pytest.mark.parametrize("call", ["libc.unshare(0x10000000 | 0x20000)",  # CLONE_NEWUSER | CLONE_NEWNS
+                                  "libc.unshare(0x10000000)",
+                                  "libc.syscall(56 if os.uname().machine == 'x86_64' else 220, 0x10000000 | 17, 0, 0, 0)"])
+def test_no_namespace_of_its_own(call):
+    """A user namespace of its own would give the program every capability in it (a tmpfs without a cap, mounts,
+    far more of the kernel); clone with CLONE_NEWUSER is refused too, and unshare(1)."""
+    assert python("import os\n" + C_CALL.format(call)) == "-1 1\n"
+
+
+@needs_sandbox
+def test_no_namespace_through_unshare_either():
+    out = python("import subprocess\nprint(subprocess.run(['unshare', '--user', 'true']).returncode)")
+    assert out.startswith("1\n") and "Operation not permitted" in out
+
+
+@needs_sandbox
+@pytest.mark.parametrize("call", [
+    "libc.shmget(0, 32 << 20, 0o1600)", "libc.msgget(0, 0o1600)", "libc.semget(0, 1, 0o1600)",
+    "libc.mq_open(b'/q', 0o100, 0o600, None)", "libc.memfd_create(b'x', 0)",
+    "libc.timer_create(1, None, ctypes.byref(ctypes.c_void_p()))", "libc.inotify_init1(0)",
+    "libc.syscall(425, 8, ctypes.byref(ctypes.create_string_buffer(120)))",  # io_uring_setup
+    "libc.syscall(321 if os.uname().machine == 'x86_64' else 280, 0, None, 0)"])  # bpf
+def test_memory_no_process_limit_counts_is_refused(call):
+    """SysV shared memory, message queues and semaphores, POSIX message queues, memfds, POSIX timers and inotify
+    watches hold kernel memory outside RLIMIT_AS (one 64 MB process held 128 MB of SysV memory); io_uring and bpf open
+    far more of the kernel."""
+    assert python("import os\n" + C_CALL.format(call)) == "-1 1\n"
+
+
+@needs_sandbox
+def test_sockets_are_local_and_their_buffers_fixed():
+    out = attempt("import socket\n    socket.socket(socket.AF_INET)")
+    assert out == "OSError 97\n"  # address family not supported: no network sockets, even on its own loopback
+    assert attempt("import socket\n    socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)") == "OSError 97\n"
+    assert attempt("import socket\n    a, b = socket.socketpair()\n    a.send(b'x')\n    print(b.recv(1))") == \
+        "b'x'\n"  # asyncio and multiprocessing.Pipe need these
+    assert attempt("import socket\n    a, b = socket.socketpair()\n"
+                   "    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)") == "PermissionError 1\n"
+    assert attempt("import fcntl\n    r, w = os.pipe()\n    fcntl.fcntl(w, 1031, 1 << 20)") == "PermissionError 1\n"
+
+
+@needs_sandbox
+def test_the_tmpfs_holds_few_files():
+    """Its size counts data, not files: 133k empty files a second took 132 MB of kernel memory."""
+    out = attempt("for i in range(100000):\n        open(f'/dev/shm/f{i}', 'w').close()\n    print('made them')")
+    assert out == "OSError 28\n"
+    assert python(f"import os\nprint(os.statvfs('/tmp').f_files)") == f"{sandbox.TMPFS_FILES}\n"
+
+
+@needs_sandbox
+def test_outputs_take_no_host_disk():
+    """stdout and stderr were the trainer's files: fallocate with FALLOC_FL_KEEP_SIZE reserved 2 GB of our disk
+    without growing them (RLIMIT_FSIZE never fired). Now pipes, which hold no disk."""
+    assert c_call("libc.fallocate(1, 1, ctypes.c_long(0), ctypes.c_long(2 << 30))") == "-1 29\n"  # ESPIPE
+
+
+@needs_sandbox
+@pytest.mark.parametrize("code, out", [
+    ("import fcntl, os\nfcntl.fcntl(1, fcntl.F_SETFL, os.O_DIRECT)\nprint('after O_DIRECT')", "after O_DIRECT\n"),
+    ("import fcntl, os\nfcntl.fcntl(1, fcntl.F_SETFL, os.O_NONBLOCK)\nprint('x' * 10 ** 5)", "x" * 50),
+    ("import os\nos.close(1)\nos.write(2, b'closed')", "closed"),
+    ("import os\nos.dup2(os.open('/dev/null', os.O_WRONLY), 1)\nprint('gone')\nos.write(2, b'kept')", "kept"),
+    ("import os\nos.lseek(1, 2 ** 62, 0)", "OSError: [Errno 29] Illegal seek"),
+    ("import os\nos.close(1)\nos.close(2)\nwhile True: pass", "error: timed out after 1 s")])
+def test_nothing_done_to_its_outputs_makes_the_tool_raise(code, out):
+    """O_DIRECT on the shared stdout file made our unaligned pread fail with EINVAL, out of python()."""
+    result = python(code, timeout=1, max_output=100)
+    assert result.startswith(out) or result.endswith(out), result
+
+
+def _memory_cgroup():
+    """(a memory cgroup's directory we may make groups in, the file of a group's peak usage): cgroup v1's memory
+    controller (as root), or a v2 directory that delegates the memory controller; None where neither is writable."""
+    for root, peak in (("/sys/fs/cgroup/memory", "memory.max_usage_in_bytes"), ("/sys/fs/cgroup", "memory.peak")):
+        if os.access(root, os.W_OK) and os.path.exists(os.path.join(root, "cgroup.procs")) and \
+                (peak.startswith("memory.max") or "memory" in Path(root, "cgroup.subtree_control").read_text()):
+            return root, peak
+    return None
+
+
+@needs_sandbox
+@pytest.mark.skipif(_memory_cgroup() is None, reason="no memory cgroup to measure in")
+def test_a_call_takes_no_more_host_memory_than_stated():
+    """docs/tools.md's bound, sandbox.most_memory_mb(): a program that takes all it can at once (as many processes
+    as it may, each full to its address-space limit, the tmpfs full of data and of files, every descriptor a full
+    socket or pipe), measured in a memory cgroup of its own, which counts processes, tmpfs and kernel objects."""
+    hog = (TESTS / "memory_hog.py").read_text()
+    root, peak_file = _memory_cgroup()
+    group = os.path.join(root, f"nanogrpo-test-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        run = ("import os, sys\nopen(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()))\n"
+               "from lib.sandbox import python\nprint(python(sys.stdin.read(), timeout=10))")
+        done = subprocess.run([sys.executable, "-c", run, group], input=hog, capture_output=True, text=True, cwd=ROOT)
+        peak = int(Path(group, peak_file).read_text()) / 2 ** 20
+        assert done.stdout.count("holding") >= sandbox.MAX_PROCESSES - 2, done.stdout + done.stderr
+        assert 0.7 * sandbox.most_memory_mb() < peak <= sandbox.most_memory_mb(), peak
+    finally:
+        deadline = time.time() + 10
+        while time.time() < deadline:  # its processes end a moment after the call returns
+            try:
+                os.rmdir(group)
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def _fake_bwrap(tmp_path, body):
@@ -201,7 +330,7 @@ def test_fuzzed_tool_calls_never_raise_and_stay_bounded():
     for i in range(3000):
         text = hostile_call(rng)
         observation = env.step({}, text)
-        assert observation is None or isinstance(observation, str) and len(observation) < 2200, text[:200]
+        assert observation is None or len(observation_text(observation)) < 2200, text[:200]
         value = calculator(junk(rng))
         assert isinstance(value, str) and len(value) < 1100
         assert isinstance(call_tool(text, TOOLS), str)
@@ -230,5 +359,11 @@ def test_fuzzed_programs_run_and_come_back_bounded():
         out = call_tool('<tool_call>{"name": "python", "arguments": {"code": ' + json.dumps(code) + '}}</tool_call>',
                         TOOLS)
         assert isinstance(out, str) and len(out) < 2200, code
+    rng, start = random.Random(0), time.perf_counter()
+    for _ in range(40):  # and seeded hostile ones: what a program can do to its outputs, its process, its sandbox
+        code = hostile_program(rng)
+        out = python(code, timeout=1)
+        assert isinstance(out, str) and len(out) < 2200, code
+    assert time.perf_counter() - start < 40 * 3
     assert python("raise SystemExit(200)") == "error: exited with code 200"  # 128 + 72, yet no signal
     assert python("import os; os._exit(137)") == "error: killed by SIGKILL"  # bwrap cannot tell these apart
