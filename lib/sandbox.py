@@ -234,7 +234,7 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
     limits = [str(v) for v in (memory_mb * 2 ** 20, math.ceil(timeout) + 1, MAX_PROCESSES, MAX_FILE_MB * 2 ** 20,
                                MAX_OPEN_FILES, 0, MAX_PROCESSES * 8, 0)]
     with tempfile.TemporaryDirectory(prefix="nanogrpo-python-", ignore_cleanup_errors=True) as workdir, \
-            open(os.path.join(workdir, "main.py"), "w+b") as program, _pipes(3) as pipes:
+            open(os.path.join(workdir, "main.py"), "w+b") as program, _pipes(3) as (pipes, close):
         program.write(code.encode("utf-8", errors="replace"))
         program.flush()
         program.seek(0)  # bwrap reads it from here
@@ -243,7 +243,7 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
         as_nobody = {}
         if isolated:  # main.py copied in from an open file: the program never sees our directory
             os.write(rules_w, seccomp_filter())
-            os.close(rules_w)
+            close(rules_w)
             argv = _sandbox(exe, workdir, rules) + ["--ro-bind-data", str(program.fileno()), "/tmp/main.py"] + argv
             fds.append(rules)
             if os.geteuid() == 0:  # nobody mounts the tmpfs on workdir, and runs the rest
@@ -256,7 +256,7 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
         except OSError as e:
             return f"error: could not start python: {e}"
         for fd in (out_w, err_w):  # the program's ends only: an end of file once it (and all its children) closes them
-            os.close(fd)
+            close(fd)
         try:
             stdout, stderr, stopped = _collect(proc, (out, err), timeout, 4 * max_output)
         finally:  # bwrap's end ends the sandbox (--die-with-parent, then its PID namespace); 'none': its group
@@ -284,16 +284,22 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
 
 @contextlib.contextmanager
 def _pipes(n):
-    """n pipes, (read end, write end) each, their read ends non-blocking; all closed at the end."""
+    """(n pipes, (read end, write end) each, their read ends non-blocking; close, which closes one of their ends):
+    the ends not closed so are at the end. Each end is closed once: closed twice, it could be another thread's new
+    descriptor of the same number."""
     pipes = [os.pipe() for _ in range(n)]
+    left = {fd for pipe in pipes for fd in pipe}
+
+    def close(fd):
+        left.remove(fd)
+        os.close(fd)
     try:
         for r, _ in pipes:
             os.set_blocking(r, False)
-        yield pipes
+        yield pipes, close
     finally:
-        for fd in (fd for pipe in pipes for fd in pipe):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for fd in left:
+            os.close(fd)
 
 
 @functools.cache

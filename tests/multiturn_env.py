@@ -15,6 +15,14 @@ class Echo:
         return f"[{len(text)}{text[-1:]}]" if text else "[]"
 
 
+class Sandboxed(Echo):
+    """Echo's observation counted by a real program in the python tool's sandbox (tests/test_exact.py's resume), as
+    a tool turn: markup around what the program printed."""
+    def step(self, row, text):
+        from lib.sandbox import python
+        return ['[', python(f"print(len({text!r}), end='')"), ']']
+
+
 class CalcTags(Echo):
     stop = ('</calc>',)  # seven bytes: a turn ends where the text comes to end with them
 

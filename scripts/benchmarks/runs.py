@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from lib import lora
-from lib import tools
+from lib import sandbox
 from lib.measure import timed
 from lib.tokenizer import _hf_bpe, bytes_to_unicode, get_tokenizer, load_hf_tokenizer
 from scripts.benchmarks.common import ROOT, autocast, build_model, grpo_batch, make_prompts, run_train
@@ -116,11 +116,11 @@ def bench_python_tool(args, r):
     """The python tool's cost a call, in bubblewrap and unisolated, for a trivial program and a 100 ms one; then 16
     calls of the 100 ms one as a step's rows would make them (multiturn.observer), one after another and from 4
     threads."""
-    sandboxes = ("bwrap", "none") if tools.sandbox_problem() is None else ("none",)
-    for sandbox in sandboxes:
+    sandboxes = ("bwrap", "none") if sandbox.sandbox_problem() is None else ("none",)
+    for kind in sandboxes:
         for name, code in (("trivial", "pass"), ("100ms", "import time; time.sleep(0.1)")):
-            r[f"python_{name}_{sandbox}_s"] = timed(lambda: tools.python(code, sandbox=sandbox), "cpu", args.repeat)
-    call = functools.partial(tools.python, "import time; time.sleep(0.1)", sandbox=sandboxes[0])
+            r[f"python_{name}_{kind}_s"] = timed(lambda: sandbox.python(code, sandbox=kind), "cpu", args.repeat)
+    call = functools.partial(sandbox.python, "import time; time.sleep(0.1)", sandbox=sandboxes[0])
     for workers in (1, 4):
         with ThreadPoolExecutor(workers) as pool:
             r[f"python_16_calls_{workers}_workers_s"] = timed(lambda: list(pool.map(lambda _: call(), range(16))),
