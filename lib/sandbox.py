@@ -177,7 +177,7 @@ def _pidfd(proc):
 
 def _read(fd, kept, keep, first, drain):
     """Read what the pipe fd holds into kept, its first `keep` bytes (first) or its last: one read, or all there is
-    now (drain). (bytes read, whether it is at its end)."""
+    now (drain). (bytes read, whether the pipe is at its end)."""
     n = 0
     while n <= MAX_OUTPUT_MB * 2 ** 20:
         try:
@@ -185,8 +185,11 @@ def _read(fd, kept, keep, first, drain):
         except BlockingIOError:
             return n, False
         n += len(chunk)
-        kept += chunk[:max(0, keep - len(kept))] if first else chunk
-        del kept[:0 if first else -keep]
+        if first:
+            kept += chunk[:keep - len(kept)]
+        else:
+            kept += chunk
+            del kept[:-keep]
         if not chunk or not drain:
             return n, not chunk
     return n, False
@@ -197,23 +200,27 @@ def _collect(proc, pipes, timeout, keep):
     more than MAX_OUTPUT_MB, or timeout seconds pass: (stdout's first `keep` bytes, stderr's last `keep`, None or why
     it was stopped: 'timeout', 'flood'). Pipes rather than files: the program cannot grow them on our disk or change
     how we read them, and we never wait for a child left holding them."""
-    kept, left_open, total = {fd: bytearray() for fd in pipes}, list(pipes), 0
+    kept, reading, total, why = {fd: bytearray() for fd in pipes}, list(pipes), 0, "timeout"
     ended, deadline = _pidfd(proc), time.monotonic() + timeout
     try:
         while (left := deadline - time.monotonic()) > 0:
-            ready = select.select(left_open + ([ended] if ended else []), [], [], left if ended else min(left, 0.01))[0]
-            finished = ended in ready if ended else proc.poll() is not None
-            for fd in left_open[:] if finished else [fd for fd in ready if fd != ended]:
+            if ended is None:  # no pidfd: poll
+                ready, finished = select.select(reading, [], [], min(left, 0.01))[0], proc.poll() is not None
+            else:
+                ready = select.select(reading + [ended], [], [], left)[0]
+                finished = ended in ready
+            for fd in reading[:] if finished else [fd for fd in ready if fd != ended]:
                 n, at_end = _read(fd, kept[fd], keep, first=fd == pipes[0], drain=finished)
                 total += n
                 if at_end:
-                    left_open.remove(fd)
+                    reading.remove(fd)
             if total > MAX_OUTPUT_MB * 2 ** 20 or finished:
-                return bytes(kept[pipes[0]]), bytes(kept[pipes[1]]), "flood" if total > MAX_OUTPUT_MB * 2 ** 20 else None
-        return bytes(kept[pipes[0]]), bytes(kept[pipes[1]]), "timeout"
+                why = "flood" if total > MAX_OUTPUT_MB * 2 ** 20 else None
+                break
     finally:
         if ended is not None:
             os.close(ended)
+    return bytes(kept[pipes[0]]), bytes(kept[pipes[1]]), why
 
 
 def cut(text, limit):
