@@ -9,6 +9,7 @@ import errno
 import functools
 import math
 import os
+import resource
 import select
 import shutil
 import signal
@@ -25,15 +26,25 @@ MAX_OUTPUT_MB = 1  # what a program may print, stdout and stderr together, befor
 TMPFS_MB, TMPFS_FILES = 16, 4096
 SANDBOXES = ('bwrap', 'none')  # train.py's sandbox: bubblewrap, or the program run as we are (a warning at start)
 
-# Runs first in the sandbox, as our code: limits that no process of the program can raise again (it holds no
-# capabilities). Set in there, not on bwrap, so that RLIMIT_NPROC counts this sandbox's processes alone (the kernel
-# counts a uid's processes per user namespace) and never exempts root's (which it does outside one).
-_PRELUDE = """import os, resource as r, sys
-for kind, value in zip((r.RLIMIT_AS, r.RLIMIT_CPU, r.RLIMIT_NPROC, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE, r.RLIMIT_CORE,
-                        r.RLIMIT_SIGPENDING, r.RLIMIT_MSGQUEUE), map(int, sys.argv[1:])):
-    hard = r.getrlimit(kind)[1]
-    r.setrlimit(kind, (value, value) if hard == r.RLIM_INFINITY else (min(value, hard),) * 2)
+# The limits, set in the sandbox by its first process (util-linux's prlimit, or where there is none, as on macOS
+# with sandbox='none', a few lines of Python), which then runs the program: no process of it can raise them again
+# (it holds no capabilities). Set in there, not on bwrap, so that RLIMIT_NPROC counts this sandbox's processes
+# alone (the kernel counts a uid's processes per user namespace) and never exempts root's (which it does outside one).
+LIMITS = ("AS", "CPU", "NPROC", "FSIZE", "NOFILE", "CORE", "SIGPENDING", "MSGQUEUE")
+_PRELUDE = """import os, resource, sys
+for name, value in zip(sys.argv[1::2], sys.argv[2::2]):
+    resource.setrlimit(getattr(resource, 'RLIMIT_' + name), (int(value), int(value)))
 os.execv(sys.executable, [sys.executable, '-I', '-S', 'main.py'])"""
+
+
+def _limited(exe, values):
+    """The command that runs `exe -I -S main.py` with the LIMITS at values (each at most our own hard limit)."""
+    values = [min(v, hard) if (hard := resource.getrlimit(getattr(resource, f"RLIMIT_{name}"))[1]) >= 0 else v
+              for name, v in zip(LIMITS, values)]  # RLIM_INFINITY is -1
+    if prlimit := shutil.which("prlimit"):  # a small program's start, not an interpreter's
+        return [prlimit, *(f"--{name.lower()}={v}" for name, v in zip(LIMITS, values)), exe, "-I", "-S", "main.py"]
+    return [exe, "-I", "-S", "-c", _PRELUDE, *(str(x) for pair in zip(LIMITS, values) for x in pair)]
+
 
 # System calls refused (EPERM) by the sandbox's seccomp filter. Each would let a program hold kernel memory that no
 # limit of a process counts (SysV IPC, POSIX message queues, memfds, POSIX timers, inotify watches, keys), or open
@@ -237,15 +248,15 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
     exe, isolated = interpreter(), sandbox == "bwrap"
     if missing := _missing(isolated):
         return f"error: the python tool cannot run here: {missing}"
-    limits = [str(v) for v in (memory_mb * 2 ** 20, math.ceil(timeout) + 1, MAX_PROCESSES, MAX_FILE_MB * 2 ** 20,
-                               MAX_OPEN_FILES, 0, MAX_PROCESSES * 8, 0)]
+    limits = (memory_mb * 2 ** 20, math.ceil(timeout) + 1, MAX_PROCESSES, MAX_FILE_MB * 2 ** 20, MAX_OPEN_FILES, 0,
+              MAX_PROCESSES * 8, 0)  # LIMITS' values
     with tempfile.TemporaryDirectory(prefix="nanogrpo-python-", ignore_cleanup_errors=True) as workdir, \
             open(os.path.join(workdir, "main.py"), "w+b") as program, _pipes(3) as (pipes, close):
         program.write(code.encode("utf-8", errors="replace"))
         program.flush()
         program.seek(0)  # bwrap reads it from here
         (out, out_w), (err, err_w), (rules, rules_w) = pipes
-        argv, fds = [exe, "-I", "-S", "-c", _PRELUDE, *limits], [program.fileno()]
+        argv, fds = _limited(exe, limits), [program.fileno()]
         as_nobody = {}
         if isolated:  # main.py copied in from an open file: the program never sees our directory
             os.write(rules_w, seccomp_filter())

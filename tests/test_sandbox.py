@@ -268,6 +268,19 @@ def test_a_call_takes_no_more_host_memory_than_stated():
 
 
 @needs_sandbox
+@pytest.mark.parametrize("hidden", ["nothing", "prlimit"])
+def test_the_limits_hold_whoever_sets_them(monkeypatch, hidden):
+    """util-linux's prlimit sets them, or our few lines of Python where there is no prlimit (macOS, with
+    sandbox='none'): the same limits, soft and hard."""
+    which = shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == hidden else which(name))
+    out = python("import resource\nprint([resource.getrlimit(getattr(resource, 'RLIMIT_' + n)) for n in " +
+                 repr(sandbox.LIMITS) + "])")
+    values = (256 * 2 ** 20, 6, sandbox.MAX_PROCESSES, sandbox.MAX_FILE_MB * 2 ** 20, sandbox.MAX_OPEN_FILES, 0, 64, 0)
+    assert out == f"{[(v, v) for v in values]}\n"
+
+
+@needs_sandbox
 def test_calls_from_threads_get_their_own_outputs():
     """As a step's tool_workers make them, 32 calls from 8 threads: each its own output (a descriptor closed twice
     could be another thread's)."""
