@@ -37,7 +37,8 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # digit is a piece alone, so no space joins it, and a whitespace run that ends at a digit ends its stretch of text,
 # where GPT-2's \s+(?!\S) takes the whole run
 DIGITS_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
-SUPPORTED = "only byte-level BPE tokenizers (GPT-2, SmolLM, Qwen2/2.5/3, Llama-3 style) can be loaded"
+SUPPORTED = ("only byte-level BPE tokenizers (GPT-2, SmolLM, Qwen2/2.5/3, Llama-3 style) and SentencePiece BPE ones "
+             "with byte fallback (Gemma; lib/sentencepiece.py) can be loaded")
 
 def bytes_to_unicode():
     """GPT-2's table from a byte to the printable character that stands for it in vocab and merges strings:
@@ -63,6 +64,16 @@ def _alternation(tokens):
 def _split(text, tokens):
     """[text, token, text, ..., text]: the even items are plain text, the odd ones are `tokens` found in it."""
     return _alternation(frozenset(tokens)).split(text) if tokens else [text]
+
+def allowed_specials(specials, text, allowed_special, disallowed_special):
+    """The special tokens that tiktoken's encode(text, allowed_special=..., disallowed_special=...) matches in text,
+    after raising its ValueError for a disallowed one that text holds."""
+    allowed = specials if allowed_special == "all" else specials & set(allowed_special)
+    if disallowed_special == "all":
+        disallowed_special = specials - allowed
+    if disallowed_special and (m := _alternation(frozenset(disallowed_special)).search(text)):
+        raise_disallowed_special_token(m.group())
+    return allowed
 
 class HFEncoding(tiktoken.Encoding):
     """A tiktoken Encoding plus the NFC normalizer and HF's added-token matching. A subclass, so that decode,
@@ -101,12 +112,7 @@ class HFEncoding(tiktoken.Encoding):
         return self._encode(text, frozenset())
 
     def encode(self, text, *, allowed_special=set(), disallowed_special="all"):  # noqa: B006 (tiktoken's signature)
-        allowed = self._specials if allowed_special == "all" else self._specials & set(allowed_special)
-        if disallowed_special == "all":
-            disallowed_special = self._specials - allowed
-        if disallowed_special and (m := _alternation(frozenset(disallowed_special)).search(text)):
-            raise_disallowed_special_token(m.group())
-        return self._encode(text, allowed)
+        return self._encode(text, allowed_specials(self._specials, text, allowed_special, disallowed_special))
 
     def _encode(self, text, specials):
         # tokens are matched before NFC runs, and NFC runs on each piece between them, never across one: NFC of
@@ -222,10 +228,12 @@ def _from_json(tok, file, padding=None):
         raise ConfigError(f"{file}: {problem}")
 
     model, normalizer = tok["model"], tok.get("normalizer")
+    name = os.path.basename(os.path.dirname(os.path.abspath(file)))
     if model.get("type") != "BPE":
         refuse(f"model type {model.get('type')!r} is not BPE; {SUPPORTED}")
-    if model.get("byte_fallback"):
-        refuse(f"byte_fallback is true (a SentencePiece-style BPE, e.g. Llama-2/Mistral); {SUPPORTED}")
+    if model.get("byte_fallback"):  # SentencePiece's BPE (Gemma, Llama-2), which tiktoken cannot run exactly
+        from lib import sentencepiece  # here, not above: it builds on this module's helpers
+        return sentencepiece.from_json(tok, file, name)
     if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         refuse(f"continuing_subword_prefix/end_of_word_suffix is set (a WordPiece-like BPE); {SUPPORTED}")
     if model.get("dropout"):
@@ -268,8 +276,7 @@ def _from_json(tok, file, padding=None):
     if not model.get("ignore_merges") and (bad := _unreachable(vocab, merges, made)):
         refuse(f"vocab token {bad[0]!r} is not reachable by its merges and ignore_merges is false: HF would "
                f"split it where tiktoken keeps it whole, so tiktoken cannot tokenize exactly as this tokenizer does")
-    return HFEncoding(os.path.basename(os.path.dirname(os.path.abspath(file))), pat_str, ranks, added,
-                      nfc=normalizer is not None, padding=padding)
+    return HFEncoding(name, pat_str, ranks, added, nfc=normalizer is not None, padding=padding)
 
 def _gpt2_files(path):
     """The older GPT-2 layout as a tokenizer.json would say it: ByteLevel regex, no normalizer, <|endoftext|>."""

@@ -246,3 +246,25 @@ def write_gguf(path, model, qtype="F32", reorder=True, drop=(), metadata=None, e
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tokenizer_gguf(path, tokens, scores, types, metadata, arch="gemma3"):
+    """A GGUF holding a tokenizer and no tensors, as llama.cpp's converter lists a SentencePiece vocabulary
+    (tokenizer.ggml.model 'llama'): every token with its score and type (BYTE for <0xNN>, CONTROL, USER_DEFINED,
+    NORMAL), and `metadata` {key: value}: the bos/eos/unknown/padding ids, add_bos_token, ..."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_string("tokenizer.ggml.model", "llama")
+    writer.add_string("tokenizer.ggml.pre", "default")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.scores", [float(s) for s in scores])
+    writer.add_array("tokenizer.ggml.token_type", types)
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,164 @@
+"""
+SentencePiece's BPE with byte fallback (Gemma, Llama-2, Mistral up to v0.3, Phi-3), as Hugging Face tokenizers runs
+a tokenizer.json of that kind, in pure Python, behind the tiktoken-like interface of lib/tokenizer.py. lib/gguf_file.py
+turns a GGUF's SentencePiece vocabulary (tokenizer.ggml.model 'llama') into such a tokenizer.json.
+
+Why not tiktoken: it merges bytes, SentencePiece merges characters and spells a character missing from the vocab as
+its UTF-8 bytes (<0xNN> tokens), which never merge; a multi-byte character would need byte pairs that are no token.
+Why not the `tokenizers` library: this is exact with no dependency, fast enough for prompts (docs/gemma3.md has the
+measurements beside tokenizers and transformers), and short enough to read.
+
+What Hugging Face does, step by step: the added tokens are matched in the raw text (leftmost, longest); the text
+between them is normalized (' ' -> '▁', and for Llama-2's layout a '▁' before each non-empty piece); BPE splits it
+into characters, a character not in the vocab into its byte tokens, then merges the adjacent pair that comes first in
+the merge list (leftmost on a tie) until no pair is a merge. The one speed-up here is exact: a merge (a, b) can only
+ever join two symbols across the boundary between a's last character and b's first, so the text is cut wherever two
+characters are no such pair, and each piece's ids are computed once and cached.
+"""
+import re
+
+from lib.errors import ConfigError
+from lib.tokenizer import _hf_bpe, _split, allowed_specials
+
+SPACE = "\u2581"  # SentencePiece's '▁', which stands for a space in its vocab
+BYTE_TOKEN = re.compile(r"<0x([0-9A-F]{2})>")
+SUPPORTED = ("SentencePiece BPE tokenizers in Gemma's layout (normalizer Replace ' ' with '▁', optionally after "
+             "Prepend '▁'; no pre-tokenizer or a Split on ' ') can be loaded")
+
+
+class SentencePieceEncoding:
+    """The tiktoken Encoding's interface (encode, encode_ordinary, decode, decode_single_token_bytes,
+    encode_single_token, special_tokens_set, n_vocab, eot_token, name) for a SentencePiece BPE. Like tiktoken, encode
+    adds no BOS: bos_token is the id that the checkpoint puts before each text (None if it puts none)."""
+
+    def __init__(self, name, vocab, merges, added_tokens, prepend, strip, bos):
+        self.name, self._vocab, self._prepend, self._strip, self.bos_token = name, vocab, prepend, strip, bos
+        self._rank = {pair: r for r, pair in enumerate(merges)}  # a pair listed twice: its last rank, as in HF
+        self._joins = {a[-1] + b[0] for a, b in merges}  # the character pairs that some merge joins
+        self._added = {t["content"]: t["id"] for t in added_tokens}
+        self._specials = frozenset(t["content"] for t in added_tokens if t["special"])
+        self._plain = frozenset(self._added) - self._specials  # matched even when special tokens are not
+        self._text = {i: s for s, i in vocab.items()} | {i: s for s, i in self._added.items()}
+        self._bytes = [vocab[f"<0x{b:02X}>"] for b in range(256)]
+        self._byte_of = {i: b for b, i in enumerate(self._bytes)}
+        self.n_vocab = max(self._text) + 1
+        eot = next((s for s in ("<eos>", "</s>") if s in self._specials), min(self._specials, default=None,
+                                                                                key=self._added.get))
+        self.eot_token = self._added.get(eot)
+        self._cache = {}
+
+    @property
+    def special_tokens_set(self):
+        return set(self._specials)
+
+    def encode_ordinary(self, text):
+        """Special tokens' text is plain text (HF's split_special_tokens=True); non-special added tokens still count."""
+        return self._encode(text, frozenset())
+
+    def encode(self, text, *, allowed_special=set(), disallowed_special="all"):  # noqa: B006 (tiktoken's signature)
+        return self._encode(text, allowed_specials(self._specials, text, allowed_special, disallowed_special))
+
+    def _encode(self, text, specials):
+        ids = []
+        for i, piece in enumerate(_split(text, specials | self._plain)):
+            if i % 2:
+                ids.append(self._added[piece])
+            elif piece:
+                ids += self._bpe((SPACE if self._prepend else "") + piece.replace(" ", SPACE))
+        return ids
+
+    def _bpe(self, text):
+        """The ids of a normalized text, piece by piece between the character pairs that no merge joins."""
+        cuts = [0, *(i for i in range(1, len(text)) if text[i - 1:i + 1] not in self._joins), len(text)]
+        ids = []
+        for start, end in zip(cuts, cuts[1:]):
+            piece = text[start:end]
+            if (known := self._cache.get(piece)) is None:
+                if len(self._cache) > 1 << 17:  # a bound on memory for endless distinct text
+                    self._cache.clear()
+                known = self._cache[piece] = self._word(piece)
+            ids += known
+        return ids
+
+    def _word(self, piece):
+        ids = []
+        for part in _hf_bpe(piece, self._rank):  # a part not in the vocab is a character it lacks: its bytes
+            ids += [self._vocab[part]] if part in self._vocab else [self._bytes[b] for b in part.encode("utf-8")]
+        return ids
+
+    def decode_single_token_bytes(self, token):
+        if token in self._byte_of:
+            return bytes([self._byte_of[token]])
+        return self._text[token].replace(SPACE, " ").encode("utf-8")
+
+    def decode(self, tokens):
+        """HF's decoder: '▁' as a space, a run of byte tokens as the UTF-8 it spells (one U+FFFD per byte where it
+        spells none), one leading space stripped for Llama-2's layout."""
+        out, run = [], bytearray()
+        for token in [*tokens, None]:
+            if token in self._byte_of:
+                run.append(self._byte_of[token])
+                continue
+            if run:
+                try:
+                    out.append(run.decode("utf-8"))
+                except UnicodeDecodeError:
+                    out.append("\ufffd" * len(run))
+                run = bytearray()
+            if token is not None:
+                out.append(self._text[token].replace(SPACE, " "))
+        text = "".join(out)
+        return text[1:] if self._strip and text.startswith(" ") else text
+
+    def encode_single_token(self, text):
+        """The id of the token whose text this is (str or UTF-8 bytes); KeyError if no single token is."""
+        text = text.decode("utf-8") if isinstance(text, bytes) else text
+        return self._added[text] if text in self._added else self._vocab[text.replace(" ", SPACE)]
+
+
+def _bos(post):
+    """The id a TemplateProcessing post-processor puts before a single text, if it puts a special token first."""
+    steps = (post or {}).get("processors", [post]) if post else []
+    for p in steps:
+        if p.get("type") == "TemplateProcessing" and "SpecialToken" in p["single"][0]:
+            return p["special_tokens"][p["single"][0]["SpecialToken"]["id"]]["ids"][0]
+    return None
+
+
+def from_json(tok, file, name):
+    """The SentencePieceEncoding of a parsed tokenizer.json whose model is a BPE with byte_fallback, after checking
+    that it is a layout reproduced here exactly; a ConfigError naming the file and the problem if not."""
+    def refuse(problem):
+        raise ConfigError(f"{file}: {problem}; {SUPPORTED}")
+
+    model, normalizer, pre = tok["model"], tok.get("normalizer") or {}, tok.get("pre_tokenizer")
+    steps = normalizer.get("normalizers", [normalizer]) if normalizer.get("type") == "Sequence" else [normalizer]
+    replace = dict(type="Replace", pattern=dict(String=" "), content=SPACE)
+    prepend = dict(type="Prepend", prepend=SPACE)
+    if steps not in ([replace], [prepend, replace], [replace, prepend]):
+        refuse(f"normalizer {[s.get('type') for s in steps]} is not Replace(' ', '▁') (after Prepend('▁'))")
+    if pre is not None and not (pre.get("type") == "Split" and pre.get("pattern") == {"String": " "}):
+        refuse(f"pre_tokenizer {pre.get('type')!r} is not none or a Split on ' '")
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"):
+        if model.get(key):
+            refuse(f"model {key} is set")
+    decoder = tok.get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+    strip = kinds == ["Replace", "ByteFallback", "Fuse", "Strip"]
+    if kinds != ["Replace", "ByteFallback", "Fuse"] and not strip:
+        refuse(f"decoder {kinds} is not Replace, ByteFallback, Fuse (then Strip)")
+    added = tok.get("added_tokens", [])
+    for t in added:
+        if t.get("lstrip") or t.get("rstrip") or t.get("single_word") or t.get("normalized"):
+            refuse(f"added token {t['content']!r} has lstrip/rstrip/single_word/normalized set; only exact "
+                   f"strings matched in the raw text are reproduced")
+    vocab = model["vocab"]
+    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in vocab]
+    if missing:
+        refuse(f"the vocab lacks the byte token {missing[0]} (byte fallback spells a character it lacks in those)")
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    for a, b in merges:
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            refuse(f"merge {a!r} {b!r} makes a token that is not in the vocab, or joins one")
+    return SentencePieceEncoding(name, vocab, merges, added, prepend=prepend in steps, strip=strip,
+                                 bos=_bos(tok.get("post_processor")))
