@@ -143,10 +143,12 @@ def from_json(tok, file, name):
         if model.get(key):
             refuse(f"model {key} is set")
     decoder = tok.get("decoder") or {}
-    kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
-    strip = kinds == ["Replace", "ByteFallback", "Fuse", "Strip"]
-    if kinds != ["Replace", "ByteFallback", "Fuse"] and not strip:
-        refuse(f"decoder {kinds} is not Replace, ByteFallback, Fuse (then Strip)")
+    decoders = decoder.get("decoders", [decoder])
+    kinds = [d.get("type") for d in decoders]
+    strip = kinds[3:] == ["Strip"] and decoders[3] == dict(type="Strip", content=" ", start=1, stop=0)
+    if kinds[:3] != ["Replace", "ByteFallback", "Fuse"] or (kinds[3:] and not strip) or decoders[0] != dict(
+            type="Replace", pattern=dict(String=SPACE), content=" "):
+        refuse(f"decoder {kinds} is not Replace('▁', ' '), ByteFallback, Fuse (then Strip(' ', 1, 0))")
     added = tok.get("added_tokens", [])
     for t in added:
         if t.get("lstrip") or t.get("rstrip") or t.get("single_word") or t.get("normalized"):
