@@ -38,6 +38,7 @@ class SentencePieceEncoding:
         self._added = {t["content"]: t["id"] for t in added_tokens}
         self._specials = frozenset(t["content"] for t in added_tokens if t["special"])
         self._plain = frozenset(self._added) - self._specials  # matched even when special tokens are not
+        self._every = frozenset(self._added)  # one set, so that its regex is built and found once
         self._text = {i: s for s, i in vocab.items()} | {i: s for s, i in self._added.items()}
         self._bytes = [vocab[f"<0x{b:02X}>"] for b in range(256)]
         self._byte_of = {i: b for b, i in enumerate(self._bytes)}
@@ -60,7 +61,8 @@ class SentencePieceEncoding:
 
     def _encode(self, text, specials):
         ids = []
-        for i, piece in enumerate(_split(text, specials | self._plain)):
+        matched = self._every if specials is self._specials else specials | self._plain
+        for i, piece in enumerate(_split(text, matched)):
             if i % 2:
                 ids.append(self._added[piece])
             elif piece:
