@@ -1,50 +1,52 @@
 """
-SentencePiece's BPE with byte fallback (Gemma, Llama-2, Mistral up to v0.3, Phi-3), as Hugging Face tokenizers runs
-a tokenizer.json of that kind, in pure Python, behind the tiktoken-like interface of lib/tokenizer.py. lib/gguf_file.py
-turns a GGUF's SentencePiece vocabulary (tokenizer.ggml.model 'llama') into such a tokenizer.json.
+SentencePiece's BPE with byte fallback (Gemma; Llama-2, Mistral up to v0.3 and Phi-3 share it) as
+Hugging Face tokenizers runs such a tokenizer.json, in pure Python, behind the tiktoken-like
+interface of lib/tokenizer.py. lib/gguf_file.py turns a Gemma GGUF's SentencePiece vocabulary
+(tokenizer.ggml.model 'llama') into such a tokenizer.json.
 
-Why not tiktoken: it merges bytes, SentencePiece merges characters and spells a character missing from the vocab as
-its UTF-8 bytes (<0xNN> tokens), which never merge; a multi-byte character would need byte pairs that are no token.
-Why not the `tokenizers` library: this is exact with no dependency, fast enough for prompts (docs/gemma3.md has the
-measurements beside tokenizers and transformers), and short enough to read.
+Why not tiktoken: it merges bytes, where SentencePiece merges characters and spells a character
+missing from the vocab as its UTF-8 bytes (<0xNN> tokens), which never merge; a multi-byte character
+would need byte pairs that are no token. Why not the `tokenizers` library: this is exact without a
+dependency, about as fast on prompts (docs/gemma3.md has the measurements) and short enough to read.
 
-What Hugging Face does, step by step: the added tokens are matched in the raw text (leftmost, longest); the text
-between them is normalized (' ' -> '▁', and for Llama-2's layout a '▁' before each non-empty piece); BPE splits it
-into characters, a character not in the vocab into its byte tokens, then merges the adjacent pair that comes first in
-the merge list (leftmost on a tie) until no pair is a merge. The one speed-up here is exact: a merge (a, b) can only
-ever join two symbols across the boundary between a's last character and b's first, so the text is cut wherever two
-characters are no such pair, and each piece's ids are computed once and cached.
+What Hugging Face does: the added tokens are matched in the raw text (leftmost, longest); the text
+between them is normalized (' ' -> '▁', and in Llama-2's layout a '▁' before each non-empty piece);
+BPE splits it into characters, a character not in the vocab into its byte tokens, then merges the
+adjacent pair that comes first in the merge list (leftmost on a tie) until no pair is a merge. The
+one speed-up here keeps that exact: a merge (a, b) joins two symbols only across the boundary
+between a's last character and b's first, so no symbol ever spans two neighbouring characters that
+are no merge's (a[-1], b[0]); the text is cut there, and each piece's ids are computed once and
+cached.
 """
-import re
-
 from lib.errors import ConfigError
 from lib.tokenizer import _hf_bpe, _split, allowed_specials
 
 SPACE = "\u2581"  # SentencePiece's '▁', which stands for a space in its vocab
-BYTE_TOKEN = re.compile(r"<0x([0-9A-F]{2})>")
-SUPPORTED = ("SentencePiece BPE tokenizers in Gemma's layout (normalizer Replace ' ' with '▁', optionally after "
-             "Prepend '▁'; no pre-tokenizer or a Split on ' ') can be loaded")
+SUPPORTED = ("SentencePiece BPE tokenizers in Gemma's layout (normalizer Replace ' ' with '▁', "
+             "after Prepend '▁' in Llama-2's; no pre-tokenizer or a Split on ' ') can be loaded")
 
 
 class SentencePieceEncoding:
-    """The tiktoken Encoding's interface (encode, encode_ordinary, decode, decode_single_token_bytes,
-    encode_single_token, special_tokens_set, n_vocab, eot_token, name) for a SentencePiece BPE. Like tiktoken, encode
-    adds no BOS: bos_token is the id that the checkpoint puts before each text (None if it puts none)."""
+    """The tiktoken Encoding's interface (encode, encode_ordinary, decode, n_vocab, eot_token, name,
+    decode_single_token_bytes, encode_single_token, special_tokens_set) for a SentencePiece BPE.
+    Like tiktoken's, encode adds no BOS: bos_token is the id the checkpoint puts before each text
+    (None if it puts none), for the prompt's renderer to add."""
 
     def __init__(self, name, vocab, merges, added_tokens, prepend, strip, bos):
-        self.name, self._vocab, self._prepend, self._strip, self.bos_token = name, vocab, prepend, strip, bos
-        self._rank = {pair: r for r, pair in enumerate(merges)}  # a pair listed twice: its last rank, as in HF
+        self.name, self._vocab, self.bos_token = name, vocab, bos
+        self._prepend, self._strip = prepend, strip
+        self._rank = {pair: r for r, pair in enumerate(merges)}  # a pair listed twice: last rank
         self._joins = {a[-1] + b[0] for a, b in merges}  # the character pairs that some merge joins
         self._added = {t["content"]: t["id"] for t in added_tokens}
         self._specials = frozenset(t["content"] for t in added_tokens if t["special"])
-        self._plain = frozenset(self._added) - self._specials  # matched even when special tokens are not
+        self._plain = frozenset(self._added) - self._specials  # matched even with specials off
         self._every = frozenset(self._added)  # one set, so that its regex is built and found once
         self._text = {i: s for s, i in vocab.items()} | {i: s for s, i in self._added.items()}
         self._bytes = [vocab[f"<0x{b:02X}>"] for b in range(256)]
         self._byte_of = {i: b for b, i in enumerate(self._bytes)}
         self.n_vocab = max(self._text) + 1
-        eot = next((s for s in ("<eos>", "</s>") if s in self._specials), min(self._specials, default=None,
-                                                                                key=self._added.get))
+        first = min(self._specials, default=None, key=self._added.get)
+        eot = next((s for s in ("<eos>", "</s>") if s in self._specials), first)
         self.eot_token = self._added.get(eot)
         self._cache = {}
 
@@ -53,11 +55,13 @@ class SentencePieceEncoding:
         return set(self._specials)
 
     def encode_ordinary(self, text):
-        """Special tokens' text is plain text (HF's split_special_tokens=True); non-special added tokens still count."""
+        """Special tokens' text is plain text (HF's split_special_tokens=True); the added tokens
+        that are not special are still matched."""
         return self._encode(text, frozenset())
 
-    def encode(self, text, *, allowed_special=set(), disallowed_special="all"):  # noqa: B006 (tiktoken's signature)
-        return self._encode(text, allowed_specials(self._specials, text, allowed_special, disallowed_special))
+    def encode(self, text, *, allowed_special=set(), disallowed_special="all"):  # noqa: B006
+        allowed = allowed_specials(self._specials, text, allowed_special, disallowed_special)
+        return self._encode(text, allowed)
 
     def _encode(self, text, specials):
         ids = []
@@ -70,8 +74,9 @@ class SentencePieceEncoding:
         return ids
 
     def _bpe(self, text):
-        """The ids of a normalized text, piece by piece between the character pairs that no merge joins."""
-        cuts = [0, *(i for i in range(1, len(text)) if text[i - 1:i + 1] not in self._joins), len(text)]
+        """The ids of a normalized text, piece by piece between character pairs no merge joins."""
+        cuts = [i for i in range(1, len(text)) if text[i - 1:i + 1] not in self._joins]
+        cuts = [0, *cuts, len(text)]
         ids = []
         for start, end in zip(cuts, cuts[1:]):
             piece = text[start:end]
@@ -84,8 +89,11 @@ class SentencePieceEncoding:
 
     def _word(self, piece):
         ids = []
-        for part in _hf_bpe(piece, self._rank):  # a part not in the vocab is a character it lacks: its bytes
-            ids += [self._vocab[part]] if part in self._vocab else [self._bytes[b] for b in part.encode("utf-8")]
+        for part in _hf_bpe(piece, self._rank):
+            if part in self._vocab:
+                ids.append(self._vocab[part])
+            else:  # a character the vocab lacks: its UTF-8 bytes
+                ids += [self._bytes[b] for b in part.encode("utf-8")]
         return ids
 
     def decode_single_token_bytes(self, token):
@@ -94,8 +102,8 @@ class SentencePieceEncoding:
         return self._text[token].replace(SPACE, " ").encode("utf-8")
 
     def decode(self, tokens):
-        """HF's decoder: '▁' as a space, a run of byte tokens as the UTF-8 it spells (one U+FFFD per byte where it
-        spells none), one leading space stripped for Llama-2's layout."""
+        """HF's decoder: '▁' as a space, a run of byte tokens as the UTF-8 it spells (one U+FFFD a
+        byte where it spells none), in Llama-2's layout one leading space stripped."""
         out, run = [], bytearray()
         for token in [*tokens, None]:
             if token in self._byte_of:
@@ -113,33 +121,35 @@ class SentencePieceEncoding:
         return text[1:] if self._strip and text.startswith(" ") else text
 
     def encode_single_token(self, text):
-        """The id of the token whose text this is (str or UTF-8 bytes); KeyError if no single token is."""
+        """The id of the token whose text this is (str or UTF-8 bytes); KeyError if none is."""
         text = text.decode("utf-8") if isinstance(text, bytes) else text
         return self._added[text] if text in self._added else self._vocab[text.replace(" ", SPACE)]
 
 
 def _bos(post):
-    """The id a TemplateProcessing post-processor puts before a single text, if it puts a special token first."""
-    steps = (post or {}).get("processors", [post]) if post else []
-    for p in steps:
+    """The id a TemplateProcessing post-processor puts first before a text, if it puts one there."""
+    for p in (post or {}).get("processors", [post] if post else []):
         if p.get("type") == "TemplateProcessing" and "SpecialToken" in p["single"][0]:
             return p["special_tokens"][p["single"][0]["SpecialToken"]["id"]]["ids"][0]
     return None
 
 
 def from_json(tok, file, name):
-    """The SentencePieceEncoding of a parsed tokenizer.json whose model is a BPE with byte_fallback, after checking
-    that it is a layout reproduced here exactly; a ConfigError naming the file and the problem if not."""
+    """The SentencePieceEncoding of a parsed tokenizer.json whose model is a BPE with byte_fallback,
+    after checking that its layout is one reproduced here exactly; a ConfigError naming the file and
+    the problem if not."""
     def refuse(problem):
         raise ConfigError(f"{file}: {problem}; {SUPPORTED}")
 
     model, normalizer, pre = tok["model"], tok.get("normalizer") or {}, tok.get("pre_tokenizer")
-    steps = normalizer.get("normalizers", [normalizer]) if normalizer.get("type") == "Sequence" else [normalizer]
+    steps = normalizer.get("normalizers", [normalizer])
     replace = dict(type="Replace", pattern=dict(String=" "), content=SPACE)
     prepend = dict(type="Prepend", prepend=SPACE)
     if steps not in ([replace], [prepend, replace], [replace, prepend]):
-        refuse(f"normalizer {[s.get('type') for s in steps]} is not Replace(' ', '▁') (after Prepend('▁'))")
-    if pre is not None and not (pre.get("type") == "Split" and pre.get("pattern") == {"String": " "}):
+        kinds = [s.get("type") for s in steps]
+        refuse(f"normalizer {kinds} is not Replace(' ', '▁') (after Prepend('▁'))")
+    # a Split on ' ' after the normalizer has made every ' ' a '▁' splits nothing
+    if pre is not None and (pre.get("type"), pre.get("pattern")) != ("Split", {"String": " "}):
         refuse(f"pre_tokenizer {pre.get('type')!r} is not none or a Split on ' '")
     for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"):
         if model.get(key):
@@ -147,19 +157,21 @@ def from_json(tok, file, name):
     decoder = tok.get("decoder") or {}
     decoders = decoder.get("decoders", [decoder])
     kinds = [d.get("type") for d in decoders]
-    strip = kinds[3:] == ["Strip"] and decoders[3] == dict(type="Strip", content=" ", start=1, stop=0)
-    if kinds[:3] != ["Replace", "ByteFallback", "Fuse"] or (kinds[3:] and not strip) or decoders[0] != dict(
-            type="Replace", pattern=dict(String=SPACE), content=" "):
-        refuse(f"decoder {kinds} is not Replace('▁', ' '), ByteFallback, Fuse (then Strip(' ', 1, 0))")
+    strip = decoders[3:] == [dict(type="Strip", content=" ", start=1, stop=0)]
+    space = dict(type="Replace", pattern=dict(String=SPACE), content=" ")
+    if kinds[:3] != ["Replace", "ByteFallback", "Fuse"] or decoders[0] != space or not (
+            len(kinds) == 3 or strip):
+        refuse(f"decoder {kinds} is not Replace('▁', ' '), ByteFallback, Fuse (then Strip)")
     added = tok.get("added_tokens", [])
     for t in added:
         if t.get("lstrip") or t.get("rstrip") or t.get("single_word") or t.get("normalized"):
-            refuse(f"added token {t['content']!r} has lstrip/rstrip/single_word/normalized set; only exact "
-                   f"strings matched in the raw text are reproduced")
+            refuse(f"added token {t['content']!r} has lstrip/rstrip/single_word/normalized set; "
+                   f"only exact strings matched in the raw text are reproduced")
     vocab = model["vocab"]
     missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in vocab]
     if missing:
-        refuse(f"the vocab lacks the byte token {missing[0]} (byte fallback spells a character it lacks in those)")
+        refuse(f"the vocab lacks the byte token {missing[0]} (the byte fallback spells what "
+               f"the vocab lacks with those)")
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     for a, b in merges:
         if a not in vocab or b not in vocab or a + b not in vocab:
