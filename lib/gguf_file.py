@@ -60,8 +60,10 @@ BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 # UNKNOWN and BYTE (<0xNN>, the byte fallback) are SentencePiece's
 TOKEN_TYPES = {1: "NORMAL", 2: "UNKNOWN", 3: "CONTROL", 4: "USER_DEFINED", 5: "UNUSED", 6: "BYTE"}
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-VOCAB_TYPES = {"gpt2": (NORMAL, CONTROL, USER_DEFINED, UNUSED), "llama": (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE)}
-GEMMAS = ("gemma", "gemma2", "gemma3")  # the architectures whose SentencePiece GGUF tokenizers are read
+VOCAB_TYPES = {"gpt2": (NORMAL, CONTROL, USER_DEFINED, UNUSED),
+               "llama": (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE)}
+GEMMAS = ("gemma", "gemma2", "gemma3")  # whose SentencePiece GGUF tokenizers are read
+SPACE = "\u2581"  # SentencePiece's '▁', a space in its vocab
 
 @functools.lru_cache(maxsize=1)  # the tokenizer, the eos ids and the model read one file: parse it once
 def _reader(path):
@@ -185,45 +187,49 @@ def chat_template(path):
     return _metadata(path, "tokenizer.chat_template")
 
 def _vocab(path, model):
-    """tokenizer.ggml.tokens and token_type, checked: one type for each token, and each type one that a vocabulary
-    of tokenizer.ggml.model `model` has (VOCAB_TYPES)."""
+    """tokenizer.ggml.tokens and token_type, checked: one type for each token, and each type one
+    that a vocabulary of tokenizer.ggml.model `model` has (VOCAB_TYPES)."""
     tokens, types = _need(path, "tokenizer.ggml.tokens"), _need(path, "tokenizer.ggml.token_type")
     if len(types) != len(tokens):
-        raise ConfigError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens; "
-                          f"the file is damaged: convert the model again")
+        raise ConfigError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                          f"{len(tokens)} tokens; the file is damaged: convert the model again")
     allowed = VOCAB_TYPES[model]
     bad = next((i for i, t in enumerate(types) if t not in allowed), None)
     if bad is not None:
         kind = TOKEN_TYPES.get(types[bad])
-        what = f"type {kind} ({types[bad]})" if kind else f"type {types[bad]}, none of llama.cpp's (1-6)"
+        what = (f"type {kind} ({types[bad]})" if kind else
+                f"type {types[bad]}, none of llama.cpp's (1-6)")
         if model == "gpt2" and types[bad] in (UNKNOWN, BYTE):
-            what += ", which llama.cpp's converter writes for SentencePiece vocabularies, not byte-level BPE ones"
-        raise ConfigError(f"{path}: token {tokens[bad]!r} (id {bad}) has token {what}; nanoGRPO reads "
-                          f"{', '.join(TOKEN_TYPES[t] for t in allowed)} tokens in a {model!r} GGUF: convert the "
-                          f"model again")
+            what += (", which llama.cpp's converter writes for SentencePiece vocabularies, not "
+                     "byte-level BPE ones")
+        names = ", ".join(TOKEN_TYPES[t] for t in allowed)
+        raise ConfigError(f"{path}: token {tokens[bad]!r} (id {bad}) has token {what}; nanoGRPO "
+                          f"reads {names} tokens in a {model!r} GGUF: convert the model again")
     return tokens, types
 
 def _sentencepiece(path):
-    """The tokenizer.json of a SentencePiece vocabulary (tokenizer.ggml.model 'llama') as transformers builds it
-    from a Gemma GGUF: CONTROL (and UNKNOWN) tokens special added tokens, USER_DEFINED ones added tokens that are
-    not special, BYTE tokens the byte fallback, every token split into two tokens a merge, ranked by the merged
-    token's id (Gemma's scores do not follow its merge order; its ids do), the longer left part first."""
+    """The tokenizer.json of a SentencePiece vocabulary (tokenizer.ggml.model 'llama') as
+    transformers builds it from a Gemma GGUF: CONTROL (and UNKNOWN) tokens special added tokens,
+    USER_DEFINED ones added tokens that are not special, BYTE tokens the byte fallback, each split
+    of a token into two tokens a merge, ranked by the merged token's id (Gemma's scores do not
+    follow its merge order; its ids do), the longer left part first."""
     arch = _need(path, "general.architecture")
     if arch not in GEMMAS:
-        raise ConfigError(f"{path}: a SentencePiece tokenizer (tokenizer.ggml.model 'llama') in a {arch!r} GGUF; "
-                          f"nanoGRPO reads those of {', '.join(GEMMAS)} only (Llama-2's layout differs): use the "
-                          f"model's tokenizer.json instead")
+        raise ConfigError(f"{path}: a SentencePiece tokenizer (tokenizer.ggml.model 'llama') in a "
+                          f"{arch!r} GGUF; nanoGRPO reads those of {', '.join(GEMMAS)} only "
+                          f"(Llama-2's layout differs): use the model's tokenizer.json instead")
     if _metadata(path, "tokenizer.ggml.add_space_prefix", False):
-        raise ConfigError(f"{path}: tokenizer.ggml.add_space_prefix is true, which no Gemma tokenizer is; the file "
-                          f"is another model's or damaged: convert the model again")
+        raise ConfigError(f"{path}: tokenizer.ggml.add_space_prefix is true, which no Gemma "
+                          f"tokenizer is; the file is another model's or damaged: convert it again")
     tokens, types = _vocab(path, "llama")
-    # the converter writes Gemma's tokens of spaces with spaces, where its tokenizer.json spells them with '▁'
-    text = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    # the converter writes Gemma's tokens of spaces with spaces; its tokenizer.json, with '▁'
+    text = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {t: i for i, t in enumerate(text)}
     if len(vocab) < len(text):
-        raise ConfigError(f"{path}: tokenizer.ggml.tokens lists a token twice; the file is damaged: convert the "
-                          f"model again")
-    merges = sorted(((t[:k], t[k:]) for t in text for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab),
+        raise ConfigError(f"{path}: tokenizer.ggml.tokens lists a token twice; the file is "
+                          f"damaged: convert the model again")
+    splits = ((t[:k], t[k:]) for t in text for k in range(1, len(t)))
+    merges = sorted((m for m in splits if m[0] in vocab and m[1] in vocab),
                     key=lambda m: (vocab[m[0] + m[1]], -len(m[0])))
     added = [dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False,
                   special=role != USER_DEFINED) for i, (t, role) in enumerate(zip(tokens, types))
@@ -232,19 +238,22 @@ def _sentencepiece(path):
     unk = _metadata(path, "tokenizer.ggml.unknown_token_id")
     post = None
     if bos is not None and _metadata(path, "tokenizer.ggml.add_bos_token", True):
-        single = [dict(SpecialToken=dict(id=tokens[bos], type_id=0)), dict(Sequence=dict(id="A", type_id=0))]
+        first = dict(SpecialToken=dict(id=tokens[bos], type_id=0))
+        single = [first, dict(Sequence=dict(id="A", type_id=0))]
+        specials = {tokens[bos]: dict(id=tokens[bos], ids=[bos], tokens=[tokens[bos]])}
         post = dict(type="TemplateProcessing", single=single, pair=single + single[1:],
-                    special_tokens={tokens[bos]: dict(id=tokens[bos], ids=[bos], tokens=[tokens[bos]])})
-    decoder = dict(type="Sequence", decoders=[dict(type="Replace", pattern=dict(String="\u2581"), content=" "),
-                                              dict(type="ByteFallback"), dict(type="Fuse")])
+                    special_tokens=specials)
+    replace = dict(type="Replace", pattern=dict(String=SPACE), content=" ")
+    model = dict(type="BPE", dropout=None, unk_token=None if unk is None else tokens[unk],
+                 continuing_subword_prefix=None, end_of_word_suffix=None, fuse_unk=True,
+                 byte_fallback=True, ignore_merges=False, vocab=vocab,
+                 merges=[list(m) for m in merges])
     return dict(version="1.0", truncation=None, padding=None, added_tokens=added,
-                normalizer=dict(type="Replace", pattern=dict(String=" "), content="\u2581"),
-                pre_tokenizer=dict(type="Split", pattern=dict(String=" "), behavior="MergedWithPrevious",
-                                   invert=False),
-                post_processor=post, decoder=decoder,
-                model=dict(type="BPE", dropout=None, unk_token=None if unk is None else tokens[unk],
-                           continuing_subword_prefix=None, end_of_word_suffix=None, fuse_unk=True,
-                           byte_fallback=True, ignore_merges=False, vocab=vocab, merges=[list(m) for m in merges]))
+                normalizer=dict(type="Replace", pattern=dict(String=" "), content=SPACE),
+                pre_tokenizer=dict(type="Split", pattern=dict(String=" "),
+                                   behavior="MergedWithPrevious", invert=False),
+                post_processor=post, model=model, decoder=dict(type="Sequence", decoders=[
+                    replace, dict(type="ByteFallback"), dict(type="Fuse")]))
 
 def tokenizer(path):
     """(the tokenizer.json that the GGUF's tokenizer metadata describes, in the layout of the hub's files; the
@@ -257,8 +266,8 @@ def tokenizer(path):
     if kind == "llama":
         return _sentencepiece(path), {}
     if kind != "gpt2":
-        raise ConfigError(f"{path}: tokenizer.ggml.model {kind!r} is not a byte-level BPE ('gpt2') nor "
-                          f"SentencePiece ('llama'); nanoGRPO reads only those")
+        raise ConfigError(f"{path}: tokenizer.ggml.model {kind!r} is not a byte-level BPE "
+                          f"('gpt2') nor SentencePiece ('llama'); nanoGRPO reads only those")
     if pre not in PRE_TOKENIZERS:
         raise ConfigError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; nanoGRPO reproduces "
                           f"{', '.join(PRE_TOKENIZERS)}")
