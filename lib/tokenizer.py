@@ -16,6 +16,9 @@ breaks one with a ValueError naming the file and the problem, rather than tokeni
 model's training. Three things tiktoken lacks are added on top: the NFC normalizer, added tokens that are matched in
 any text (not only when special tokens are allowed), and dropping the bytes a vocab lacks, as Hugging Face's BPE
 does when it has no unknown token.
+
+A tokenizer.json whose BPE has byte_fallback (SentencePiece's, Gemma's) is lib/sentencepiece.py's:
+tiktoken cannot run it exactly.
 """
 import functools
 import json
@@ -37,8 +40,8 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # digit is a piece alone, so no space joins it, and a whitespace run that ends at a digit ends its stretch of text,
 # where GPT-2's \s+(?!\S) takes the whole run
 DIGITS_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
-SUPPORTED = ("only byte-level BPE tokenizers (GPT-2, SmolLM, Qwen2/2.5/3, Llama-3 style) and SentencePiece BPE ones "
-             "with byte fallback (Gemma; lib/sentencepiece.py) can be loaded")
+SUPPORTED = ("only byte-level BPE tokenizers (GPT-2, SmolLM, Qwen2/2.5/3, Llama-3 style) and "
+             "SentencePiece BPE ones with byte fallback (Gemma; lib/sentencepiece.py) can be loaded")
 
 def bytes_to_unicode():
     """GPT-2's table from a byte to the printable character that stands for it in vocab and merges strings:
@@ -57,9 +60,9 @@ BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}
 TO_LATIN1 = {ord(c): b for c, b in BYTE_OF.items()}  # str.translate, then latin-1: the bytes of a token at C speed
 
 def _trie(node):
-    """The regex of a trie {character: subtrie, '': True where a token ends}: one branch per next character, so
-    that a match costs the text's length, not the number of tokens (Gemma has 6,384 added tokens); where a token
-    ends, going on is optional and tried first, so the longest token wins."""
+    """The regex of a trie {character: subtrie, '': True where a token ends}: one branch per next
+    character, so that a match costs the text's length, not the number of tokens (Gemma has 6,384
+    added tokens); where a token ends, going on is optional and tried first: the longest wins."""
     branches = [re.escape(c) + _trie(child) for c, child in sorted(node.items()) if c]
     if not branches:
         return ""
@@ -82,13 +85,14 @@ def _split(text, tokens):
     return _alternation(frozenset(tokens)).split(text) if tokens else [text]
 
 def allowed_specials(specials, text, allowed_special, disallowed_special):
-    """The special tokens that tiktoken's encode(text, allowed_special=..., disallowed_special=...) matches in text,
-    after raising its ValueError for a disallowed one that text holds."""
+    """The special tokens that tiktoken's encode(text, allowed_special=..., disallowed_special=...)
+    matches in text, after raising its ValueError for a disallowed one that text holds."""
     allowed = specials if allowed_special == "all" else specials & set(allowed_special)
-    # no new set where none is needed: one a call costs more than the BPE with Gemma's 6,249 special tokens
+    # no new set where none is needed: with Gemma's 6,249 special tokens one a call costs more than
+    # the BPE; specials itself when none is allowed, whose regex is cached by the set
     if disallowed_special == "all" and allowed is specials:
         disallowed_special = ()
-    elif disallowed_special == "all":  # specials itself when none is allowed: its regex is cached by the set
+    elif disallowed_special == "all":
         disallowed_special = specials - allowed if allowed else specials
     if disallowed_special and (m := _alternation(frozenset(disallowed_special)).search(text)):
         raise_disallowed_special_token(m.group())
@@ -131,7 +135,8 @@ class HFEncoding(tiktoken.Encoding):
         return self._encode(text, frozenset())
 
     def encode(self, text, *, allowed_special=set(), disallowed_special="all"):  # noqa: B006 (tiktoken's signature)
-        return self._encode(text, allowed_specials(self._specials, text, allowed_special, disallowed_special))
+        allowed = allowed_specials(self._specials, text, allowed_special, disallowed_special)
+        return self._encode(text, allowed)
 
     def _encode(self, text, specials):
         # tokens are matched before NFC runs, and NFC runs on each piece between them, never across one: NFC of
@@ -250,7 +255,7 @@ def _from_json(tok, file, padding=None):
     name = os.path.basename(os.path.dirname(os.path.abspath(file)))
     if model.get("type") != "BPE":
         refuse(f"model type {model.get('type')!r} is not BPE; {SUPPORTED}")
-    if model.get("byte_fallback"):  # SentencePiece's BPE (Gemma, Llama-2), which tiktoken cannot run exactly
+    if model.get("byte_fallback"):  # SentencePiece's BPE (Gemma), which tiktoken cannot run exactly
         from lib import sentencepiece  # here, not above: it builds on this module's helpers
         return sentencepiece.from_json(tok, file, name)
     if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
