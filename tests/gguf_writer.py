@@ -249,9 +249,10 @@ def write_gguf(path, model, qtype="F32", reorder=True, drop=(), metadata=None, e
 
 
 def write_tokenizer_gguf(path, tokens, scores, types, metadata, arch="gemma3"):
-    """A GGUF holding a tokenizer and no tensors, as llama.cpp's converter lists a SentencePiece vocabulary
-    (tokenizer.ggml.model 'llama'): every token with its score and type (BYTE for <0xNN>, CONTROL, USER_DEFINED,
-    NORMAL), and `metadata` {key: value}: the bos/eos/unknown/padding ids, add_bos_token, ..."""
+    """A GGUF holding a tokenizer and no tensors, as llama.cpp's converter lists a SentencePiece
+    vocabulary (tokenizer.ggml.model 'llama'): every token with its score and type (BYTE for <0xNN>,
+    CONTROL, USER_DEFINED, NORMAL), and `metadata` {key: value}: the bos/eos/unknown/padding ids,
+    add_bos_token, ... (ints and bools)."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_string("tokenizer.ggml.model", "llama")
     writer.add_string("tokenizer.ggml.pre", "default")

@@ -162,7 +162,8 @@ def set_key(d, old, new):
 
 REFUSALS = [  # (the message, as a regex; how the fixture's tokenizer.json is edited to deserve it)
     ("model type 'WordPiece' is not BPE", lambda tok: tok["model"].update(type="WordPiece")),
-    ("normalizer \\['NFC'\\] is not Replace", lambda tok: tok["model"].update(byte_fallback=True)),  # SentencePiece
+    ("normalizer \\['NFC'\\] is not Replace",  # to lib/sentencepiece.py, which wants '▁'
+     lambda tok: tok["model"].update(byte_fallback=True)),
     ("continuing_subword_prefix/end_of_word_suffix", lambda tok: tok["model"].update(continuing_subword_prefix="##")),
     ("continuing_subword_prefix/end_of_word_suffix", lambda tok: tok["model"].update(end_of_word_suffix="</w>")),
     ("BPE dropout is set", lambda tok: tok["model"].update(dropout=0.1)),
