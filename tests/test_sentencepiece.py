@@ -27,7 +27,7 @@ def load(name):
         return json.load(f)
 
 
-REF, VOCAB = load("reference.json"), load("vocab.json")
+REF, VOCAB = load("reference.json"), load("gguf_vocab.json")
 REAL = os.environ.get("GEMMA3_GGUF", "/tmp/gemma3-270m.gguf")
 
 
@@ -176,3 +176,16 @@ def test_refused_gguf(tmp_path, metadata, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_hf_tokenizer(tiny_gguf(str(tmp_path / "t.gguf"), **metadata))
     assert "\n" not in str(e.value)
+
+
+def test_a_training_run_with_it(tmp_path):
+    """train.py from scratch with the tiny Gemma tokenizer: prompts, rollouts, evaluation, and the
+    checkpoint carrying its tokenizer.json."""
+    from test_train import metrics, run
+    out = tmp_path / "out"
+    args = ["config/dr_grpo.py", "--max_iters=2", "--block_size=32", f"--tokenizer={FIXTURE}"]
+    p = run(args, out)
+    assert [m["iter"] for m in metrics(out) if "reward" in m] == [0, 1] and "eval 2" in p.stdout
+    ckpt = os.path.join(out, json.load(open(out / "latest")))
+    assert get_tokenizer(ckpt).encode_ordinary("Hello  world") == get_tokenizer(
+        TOKENIZER).encode_ordinary("Hello  world")
