@@ -142,7 +142,7 @@ def from_json(tok, file, name):
         raise ConfigError(f"{file}: {problem}; {SUPPORTED}")
 
     model, normalizer, pre = tok["model"], tok.get("normalizer") or {}, tok.get("pre_tokenizer")
-    steps = normalizer.get("normalizers", [normalizer])
+    steps = normalizer.get("normalizers", [normalizer]) if normalizer else []
     replace = dict(type="Replace", pattern=dict(String=" "), content=SPACE)
     prepend = dict(type="Prepend", prepend=SPACE)
     if steps not in ([replace], [prepend, replace], [replace, prepend]):

@@ -51,6 +51,10 @@ def write_files(d):
         edit(cfg)
         (d / name / 'config.json').write_text(json.dumps(cfg))
         (d / name / 'model.safetensors').write_bytes(open(os.path.join(FIXTURE, 'model.safetensors'), 'rb').read())
+    (d / 'metaspace').mkdir()  # a SentencePiece tokenizer.json in a layout lib/sentencepiece.py refuses
+    tok = json.load(open(os.path.join(ROOT, 'tests', 'fixtures', 'tiny-gemma3', 'tokenizer.json')))
+    tok.update(normalizer=None, pre_tokenizer=dict(type='Metaspace', replacement='\u2581'))
+    (d / 'metaspace' / 'tokenizer.json').write_text(json.dumps(tok))
     weights = open(os.path.join(FIXTURE, 'model.safetensors'), 'rb').read()
     for name, data in [('truncated', weights[:len(weights) // 2]), ('garbage', b'\x07' * 4096), ('noweights', None)]:
         (d / name).mkdir()
@@ -108,6 +112,8 @@ CASES = [
     ('reward NaN', ["--reward_funcs=('rewards_mod:nan',)"], "reward function nan returned nan"),
     ('reward wrong type', ["--reward_funcs=('rewards_mod:text',)"], "reward function text returned 'good'"),
     ('tokenizer too big for model', ['--tokenizer=bytes', '--init_from={d}/small_vocab'], "vocab_size 100 <"),
+    ('SentencePiece layout not reproduced', ['--tokenizer={d}/metaspace'],
+     "metaspace/tokenizer.json: normalizer [] is not Replace(' ', '▁')"),
     ('a causal LM as reward model', ["--reward_funcs=('exact_match', 'rm:" + FIXTURE + "')"],
      "not a sequence classifier (LlamaForSequenceClassification, ...); a causal LM can judge instead"),
     ('a judge prompt without the answer', ["--reward_funcs=('exact_match', 'judge:" + FIXTURE + "')",
