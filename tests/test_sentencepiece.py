@@ -15,8 +15,8 @@ import random
 import pytest
 
 from lib.errors import ConfigError
-from lib.sentencepiece import SPACE
-from lib.tokenizer import get_tokenizer, load_hf_tokenizer
+from lib.sentencepiece import SPACE, bpe
+from lib.tokenizer import _hf_bpe, get_tokenizer, load_hf_tokenizer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gemma3")
 TOKENIZER = os.path.join(FIXTURE, "tokenizer.json")
@@ -130,6 +130,15 @@ def test_cutting_the_text_where_no_merge_joins_changes_nothing(enc):
     for _ in range(200):
         text = "".join(rng.choices(pieces, k=rng.randint(1, 40)))
         assert enc._bpe(text) == enc._word(text), text
+
+
+def test_the_heap_bpe_is_the_reference_bpe(enc):
+    """lib/sentencepiece.py's bpe (a heap, n log n) merges as _hf_bpe (the plain loop) does."""
+    rng = random.Random(1)
+    pieces = [s for s in enc._vocab if not s.startswith("<")] + ["語", SPACE, SPACE * 2]
+    texts = ["".join(rng.choices(pieces, k=rng.randint(1, 60))) for _ in range(1000)]
+    for text in [*texts, SPACE * 3000, "a" * 3000, "ab" * 1500]:
+        assert bpe(text, enc._rank) == _hf_bpe(text, enc._rank), text
 
 
 def test_interface(enc):
