@@ -13,10 +13,10 @@ What Hugging Face does: the added tokens are matched in the raw text (leftmost, 
 between them is normalized (' ' -> '▁', and in Llama-2's layout a '▁' before each non-empty piece);
 BPE splits it into characters, a character not in the vocab into its byte tokens, then merges the
 adjacent pair that comes first in the merge list (leftmost on a tie) until no pair is a merge. The
-one speed-up here keeps that exact: a merge (a, b) joins two symbols only across the boundary
-between a's last character and b's first, so no symbol ever spans two neighbouring characters that
-are no merge's (a[-1], b[0]); the text is cut there, and each piece's ids are computed once and
-cached.
+speed-ups here keep that exact: a merge (a, b) joins two symbols only across the boundary between
+a's last character and b's first, so no symbol ever spans two neighbouring characters that are no
+merge's (a[-1], b[0]); the text is cut there, and each piece's ids are computed once and cached;
+a long piece (a run of spaces) merges through a heap.
 """
 import heapq
 
