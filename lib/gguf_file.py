@@ -302,7 +302,8 @@ def write_hf_tokenizer(path, folder):
     def name(key):
         i = _metadata(path, f"tokenizer.ggml.{key}_token_id")
         return None if i is None else tokens[i]
-    arch = _need(path, "general.architecture")  # unchecked: Gemma's tokenizer is read, not its model
+    # the architecture unchecked: Gemma's tokenizer is read, though not its model yet
+    arch = _need(path, "general.architecture")
     add_bos = bool(_metadata(path, "tokenizer.ggml.add_bos_token", False))
     config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=name("bos"), eos_token=name("eos"),
                   pad_token=name("padding"), unk_token=name("unknown"), add_bos_token=add_bos,

@@ -41,7 +41,7 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # where GPT-2's \s+(?!\S) takes the whole run
 DIGITS_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
 SUPPORTED = ("only byte-level BPE tokenizers (GPT-2, SmolLM, Qwen2/2.5/3, Llama-3 style) and "
-             "SentencePiece BPE ones with byte fallback (Gemma; lib/sentencepiece.py) can be loaded")
+             "SentencePiece BPE ones with byte fallback (Gemma: lib/sentencepiece.py) are read")
 
 def bytes_to_unicode():
     """GPT-2's table from a byte to the printable character that stands for it in vocab and merges strings:

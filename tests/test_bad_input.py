@@ -51,7 +51,7 @@ def write_files(d):
         edit(cfg)
         (d / name / 'config.json').write_text(json.dumps(cfg))
         (d / name / 'model.safetensors').write_bytes(open(os.path.join(FIXTURE, 'model.safetensors'), 'rb').read())
-    (d / 'metaspace').mkdir()  # a SentencePiece tokenizer.json in a layout lib/sentencepiece.py refuses
+    (d / 'metaspace').mkdir()  # a SentencePiece tokenizer.json whose layout is not reproduced
     tok = json.load(open(os.path.join(ROOT, 'tests', 'fixtures', 'tiny-gemma3', 'tokenizer.json')))
     tok.update(normalizer=None, pre_tokenizer=dict(type='Metaspace', replacement='\u2581'))
     (d / 'metaspace' / 'tokenizer.json').write_text(json.dumps(tok))
