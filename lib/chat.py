@@ -26,6 +26,7 @@ from lib.tokenizer import eos_ids
 TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # text that looks like a template's own control token: <|im_start|>, DeepSeek's <｜User｜>, Gemma's <start_of_turn>
 CONTROL = re.compile(r"<\|[^<>|\s]{1,40}\|>|<｜[^<>｜]{1,40}｜>|<(?:start|end)_of_turn>")
+TURN, PLACEHOLDER = "nanoGRPO's turn", "nanoGRPO-result-"  # stand-ins, to find what a template writes around
 HOW = "give chat_template= a .jinja file or the template's text, or chat_template='none' for raw string prompts"
 
 
@@ -120,9 +121,9 @@ def _missing(path):
                       f"json's chat_template); {HOW}")
 
 
-def checkpoint_template(path):
+def checkpoint_template(path, date=None):
     """The chat template of the checkpoint at path, which needs one (a reward model, a judge)."""
-    return load_template(path) or _missing(path)
+    return load_template(path, date=date) or _missing(path)
 
 
 def _strftime_now(date):
@@ -180,7 +181,7 @@ def check_template(template, enc, name):
                           f"{name!r} lacks; use the checkpoint's own tokenizer, or chat_template='none'")
 
 
-def _messages(prompt, system_prompt=None):
+def prompt_messages(prompt, system_prompt=None):
     """The messages of a prompt, checked: a string is one user message; system_prompt comes first where the first
     message is not a system one. The model answers the last message, so it is not the assistant's."""
     if isinstance(prompt, str):
@@ -211,7 +212,7 @@ def encode_prompt(prompt, cfg, enc):
         if not isinstance(prompt, str):
             raise ConfigError(f"a prompt is a list of messages but the run has no chat template; {HOW}")
         return enc.encode_ordinary(prompt)
-    text = apply_chat_template(cfg.template, _messages(prompt, cfg.system_prompt), add_generation_prompt=True,
+    text = apply_chat_template(cfg.template, prompt_messages(prompt, cfg.system_prompt), add_generation_prompt=True,
                                tools=tools_of(getattr(cfg, "environment", None)), **cfg.chat_template_kwargs)
     return enc.encode(text, allowed_special="all")
 
@@ -232,7 +233,9 @@ def end_of_turn(template, enc):
 def stop_ids(enc, template=None, path=None):
     """The ids that end a completion; the first is the one a finished answer is written with (warm start, padding):
     the chat template's end of turn, then the eos ids of the checkpoint the tokenizer came from (path: its
-    directory, tokenizer.json or .gguf file; instruct models list several), then the tokenizer's end of text."""
+    directory, tokenizer.json or .gguf file; instruct models list several), then the tokenizer's end of text.
+    Checks first that enc has the template's special tokens."""
+    check_template(template, enc, path)
     turn_end = end_of_turn(template, enc) if template is not None else None
     ids = [turn_end] if turn_end is not None else []
     path = path if path and os.path.exists(path) else None  # a built-in tokenizer's name is no checkpoint
@@ -240,6 +243,72 @@ def stop_ids(enc, template=None, path=None):
     ids += (folder and eos_ids(folder)) or []
     ids += [enc.eot_token] if enc.eot_token is not None else []
     return list(dict.fromkeys(ids))  # no repeats, first one first
+
+
+def tool_turn(template, messages, results, end="", tools=None, **kwargs):
+    """What a multi-turn rollout appends after the policy's turn, never re-rendering what it sampled: the
+    difference between the conversation rendered with `results` (messages, e.g. {'role': 'tool', 'content': ...})
+    after the policy's turn, with add_generation_prompt, and without them, checked to extend it; after the turn
+    the template's close of it, less the policy's sampled end of turn `end`. `messages`: the conversation before
+    the turn (its prompt, earlier turns and results); tools and kwargs as the prompt was rendered with. The
+    policy's turn is a placeholder here: what follows it does not depend on its text. Returns [(text, is the
+    template's)]: the results' text as the template writes it is ordinary text, whatever it holds (never special
+    tokens); where the template writes a result in a way that depends on its text, the result goes as it is where
+    the template wrote a placeholder's."""
+    def render(results, generation):
+        turn = dict(role="assistant", content=TURN)
+        return apply_chat_template(template, [*messages, turn, *results], tools=tools,
+                                   add_generation_prompt=generation, **kwargs)
+    held = [dict(m, content=f"{PLACEHOLDER}{i}|") for i, m in enumerate(results)]
+    answered, full, written = render([], False), render(held, True), render(results, True)
+    if not (full.startswith(answered) and written.startswith(answered)):
+        raise ConfigError(f"{template.where}'s chat template renders the policy's turn differently once "
+                          f"{results[0]['role']!r} messages follow it; a multi-turn rollout appends to what it "
+                          f"sampled and cannot use it")
+    tail = answered[answered.rindex(TURN) + len(TURN):]
+    tail = tail[len(end):] if end and tail.startswith(end) else tail
+    parts = re.split(f"{re.escape(PLACEHOLDER)}(\\d+)\\|", full[len(answered):])  # [template, i, template, ...]
+    found = re.fullmatch("(.*?)".join(map(re.escape, parts[::2])), written[len(answered):], re.DOTALL)
+    texts = found.groups() if found else [results[int(i)]["content"] for i in parts[1::2]]
+    pieces = [(tail + parts[0], True)]
+    for text, after in zip(texts, parts[2::2]):
+        pieces += [(text, False), (after, True)]
+    return pieces
+
+
+def encode_pieces(pieces, enc):
+    """The token ids of [(text, is the template's)]: the special tokens in the template's text become theirs, all
+    other text (a tool's, whatever it holds) is ordinary, tokenized across the pieces' seams as one text is."""
+    ids, run = [], ""
+    specials = _specials(frozenset(enc.special_tokens_set))
+    for text, own in pieces:
+        if not own:
+            run += text
+            continue
+        for i, part in enumerate(specials.split(text)):
+            if i % 2:  # a special token: the ordinary text before it ends
+                ids += (enc.encode_ordinary(run) if run else []) + [enc.encode_single_token(part)]
+                run = ""
+            else:
+                run += part
+    return ids + (enc.encode_ordinary(run) if run else [])
+
+
+@functools.lru_cache(maxsize=8)
+def _specials(tokens):
+    return re.compile("(" + "|".join(map(re.escape, sorted(tokens, key=len, reverse=True))) + ")")
+
+
+def rewrites_history(template, **kwargs):
+    """Whether the template renders an answered turn differently once a user turn follows it (Qwen3 drops its
+    reasoning): then a multi-turn trajectory is not what re-rendering its conversation would give."""
+    user, answer = dict(role="user", content="2+2?"), dict(role="assistant", content="<think>\n2+2\n</think>\n\n4")
+    try:
+        answered = apply_chat_template(template, [user, answer], **kwargs)
+        return not apply_chat_template(template, [user, answer, user], add_generation_prompt=True,
+                                       **kwargs).startswith(answered)
+    except ConfigError:
+        return False
 
 
 def run_template(config, state=None):
@@ -272,4 +341,4 @@ def text_of(ids, cfg, enc):
 def render_answered(template, prompt, completion):
     """The text of `prompt` answered by `completion` as the template renders the whole conversation (transformers'
     apply_chat_template with the assistant's message, no generation prompt): what a reward model reads."""
-    return apply_chat_template(template, [*_messages(prompt), dict(role="assistant", content=completion)])
+    return apply_chat_template(template, [*prompt_messages(prompt), dict(role="assistant", content=completion)])
