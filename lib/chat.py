@@ -246,31 +246,32 @@ def stop_ids(enc, template=None, path=None):
 
 
 def tool_turn(template, messages, results, end="", tools=None, **kwargs):
-    """What a multi-turn rollout appends after the policy's turn, never re-rendering what it sampled: the
-    difference between the conversation rendered with `results` (messages, e.g. {'role': 'tool', 'content': ...})
-    after the policy's turn, with add_generation_prompt, and without them, checked to extend it; after the turn
-    the template's close of it, less the policy's sampled end of turn `end`. `messages`: the conversation before
-    the turn (its prompt, earlier turns and results); tools and kwargs as the prompt was rendered with. The
-    policy's turn is a placeholder here: what follows it does not depend on its text. Returns [(text, is the
-    template's)]: the results' text as the template writes it is ordinary text, whatever it holds (never special
-    tokens); where the template writes a result in a way that depends on its text, the result goes as it is where
-    the template wrote a placeholder's."""
-    def render(results, generation):
+    """What a multi-turn rollout appends after the policy's turn, never re-rendering what it sampled: what the
+    template writes after that turn in the conversation rendered with `results` (messages, e.g. {'role': 'tool',
+    'content': ...}) after it and add_generation_prompt, less the policy's sampled end of turn `end`. `messages`:
+    the conversation before the turn (its prompt, earlier turns and results); tools and kwargs as the prompt was
+    rendered with. The policy's turn is a stand-in here: what follows it does not depend on its text. Returns
+    [(text, is the template's)]: the results' text as the template writes it is ordinary text, whatever it holds
+    (never special tokens); where the template writes a result in a way that depends on its text, the result goes
+    as it is where the template wrote a stand-in's."""
+    def render(results):
         turn = dict(role="assistant", content=TURN)
-        return apply_chat_template(template, [*messages, turn, *results], tools=tools,
-                                   add_generation_prompt=generation, **kwargs)
-    held = [dict(m, content=f"{PLACEHOLDER}{i}|") for i, m in enumerate(results)]
-    answered, full, written = render([], False), render(held, True), render(results, True)
-    if not (full.startswith(answered) and written.startswith(answered)):
-        raise ConfigError(f"{template.where}'s chat template renders the policy's turn differently once "
-                          f"{results[0]['role']!r} messages follow it; a multi-turn rollout appends to what it "
-                          f"sampled and cannot use it")
-    tail = answered[answered.rindex(TURN) + len(TURN):]
-    tail = tail[len(end):] if end and tail.startswith(end) else tail
-    parts = re.split(f"{re.escape(PLACEHOLDER)}(\\d+)\\|", full[len(answered):])  # [template, i, template, ...]
-    found = re.fullmatch("(.*?)".join(map(re.escape, parts[::2])), written[len(answered):], re.DOTALL)
+        return apply_chat_template(template, [*messages, turn, *results], tools=tools, add_generation_prompt=True,
+                                   **kwargs)
+    held = render([dict(m, content=f"{PLACEHOLDER}{i}|") for i, m in enumerate(results)])
+    written = render(results)
+    if TURN not in held:
+        raise ConfigError(f"{template.where}'s chat template drops the policy's turn once {results[0]['role']!r} "
+                          f"messages follow it; a multi-turn rollout appends to what it sampled and cannot use it")
+    at = held.rindex(TURN) + len(TURN)
+    parts = re.split(f"{re.escape(PLACEHOLDER)}(\\d+)\\|", held[at:])  # [the template's, i, the template's, ...]
+    if sorted(map(int, parts[1::2])) != list(range(len(results))):
+        raise ConfigError(f"{template.where}'s chat template does not write {results[0]['role']!r} messages after "
+                          f"the policy's turn as they come; the environment's results would not reach the model")
+    found = held[:at] == written[:at] and re.fullmatch("(.*?)".join(map(re.escape, parts[::2])), written[at:],
+                                                       re.DOTALL)
     texts = found.groups() if found else [results[int(i)]["content"] for i in parts[1::2]]
-    pieces = [(tail + parts[0], True)]
+    pieces = [(parts[0][len(end):] if end and parts[0].startswith(end) else parts[0], True)]
     for text, after in zip(texts, parts[2::2]):
         pieces += [(text, False), (after, True)]
     return pieces
@@ -300,15 +301,19 @@ def _specials(tokens):
 
 
 def rewrites_history(template, **kwargs):
-    """Whether the template renders an answered turn differently once a user turn follows it (Qwen3 drops its
-    reasoning): then a multi-turn trajectory is not what re-rendering its conversation would give."""
-    user, answer = dict(role="user", content="2+2?"), dict(role="assistant", content="<think>\n2+2\n</think>\n\n4")
-    try:
-        answered = apply_chat_template(template, [user, answer], **kwargs)
-        return not apply_chat_template(template, [user, answer, user], add_generation_prompt=True,
-                                       **kwargs).startswith(answered)
-    except ConfigError:
-        return False
+    """Whether the template renders a conversation differently from its prompt and the policy's turn once a user
+    or tool turn follows (Qwen3 drops past reasoning; DeepSeek-R1's prompt opens a <think> its turns lose): then a
+    multi-turn trajectory, which only appends, is not what re-rendering its conversation would give."""
+    user, turn = dict(role="user", content="2+2?"), dict(role="assistant", content="<think>\n2+2\n</think>\n\n4")
+    for after in (user, dict(role="tool", content="4")):
+        try:
+            head = apply_chat_template(template, [user], add_generation_prompt=True, **kwargs)
+            if not apply_chat_template(template, [user, turn, after], add_generation_prompt=True,
+                                       **kwargs).startswith(head + turn["content"]):
+                return True
+        except ConfigError:  # a template that takes no such turn
+            continue
+    return False
 
 
 def run_template(config, state=None):
