@@ -116,14 +116,17 @@ def load_template(source, checkpoint=None, date=None):
     return SimpleNamespace(texts=texts, tokens=tokens, date=date, where=where)
 
 
-def _missing(path):
+def _missing(path, how=HOW):
     raise ConfigError(f"{path} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config."
-                      f"json's chat_template); {HOW}")
+                      f"json's chat_template); {how}")
 
 
 def checkpoint_template(path, date=None):
     """The chat template of the checkpoint at path, which needs one (a reward model, a judge)."""
-    return load_template(path, date=date) or _missing(path)
+    if find_template(path)[0] is None:
+        _missing(path, "a reward model or judge reads its own: put the one it was trained with there, as "
+                       "chat_template.jinja")
+    return load_template(path, date=date)
 
 
 def _strftime_now(date):

@@ -162,7 +162,7 @@ def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
     from rollout import score
     from lib.tokenizer import get_tokenizer
     enc = get_tokenizer('bytes')
-    cfg = SimpleNamespace(max_turns=2, chat_template='none', eos_ids=[enc.eot_token], max_completion_length=12,
+    cfg = SimpleNamespace(max_turns=2, template=None, eos_ids=[enc.eot_token], max_completion_length=12,
                           num_generations=1)
     seen = []
     env = SimpleNamespace(step=lambda row, text: seen.append(text) or '[ok]')
@@ -186,14 +186,48 @@ def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
 
 
 def test_qwen_tools_answers_a_call_in_a_tool_turn():
-    from lib.chat import render_tool_turn
     from lib.envs import QwenTools, get_env
     env = get_env('qwen_tools')
     assert isinstance(env, QwenTools)
     call = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "512*347"}}\n</tool_call>'
-    assert env.step({}, call) == render_tool_turn(['177664'])
-    assert env.step({}, '<tool_call>\n{"name": "calculator"}\n</tool_call>').count('error: ') == 1
+    assert env.step({}, call) == {'role': 'tool', 'content': '177664'}
+    assert env.step({}, '<tool_call>\n{"name": "calculator"}\n</tool_call>')['content'].count('error: ') == 1
     assert env.step({}, 'The answer is 177664.') is None
+
+
+def test_tool_turns_under_a_chat_template_extend_the_sampled_tokens():
+    """A QwenTools episode under Qwen2.5's own template: the prompt's tokens, each turn the policy sampled with its
+    <|im_end|>, and the observations between them are, token for token, the whole conversation as the template
+    renders it (the tools in the system message) and the tokenizer encodes it; the record keeps the tools' own
+    text."""
+    from types import SimpleNamespace
+    from lib.chat import apply_chat_template, encode_prompt, load_template
+    from lib.envs import get_env
+    from lib.multiturn import episodes
+    from lib.tokenizer import get_tokenizer
+    root = os.path.join(os.path.dirname(__file__), 'fixtures')
+    enc = get_tokenizer(os.path.join(root, 'tiny-bpe-a'))
+    env = get_env('qwen_tools')
+    env.tools = {'calculator': env.tools['calculator']}
+    results = iter(['177664', 'error: 1/0 < 1'])
+    env.step = lambda row, text: {'role': 'tool', 'content': next(results)} if text.endswith('</tool_call>') else None
+    cfg = SimpleNamespace(max_turns=4, eos_ids=[543, 541], system_prompt=None, chat_template_kwargs={},
+                          environment=env, template=load_template(os.path.join(root, 'qwen_tools',
+                                                                               'qwen2.5_template.jinja')))
+    row = {'prompt': 'What is 512*347?', 'answer': '177664'}
+    turns, record, _ = episodes(env, [row], 1, cfg, enc)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "512*347"}}\n</tool_call>'
+    ids, said = [], []
+    for turn in (call, 'Again.\n' + call):
+        ids += enc.encode_ordinary(turn) + [543]
+        said += [{'role': 'assistant', 'content': turn}]
+        ids += turns(0, ids)
+    said += [{'role': 'tool', 'content': '177664'}]
+    messages = [{'role': 'user', 'content': row['prompt']}, said[0], said[2], said[1],
+                {'role': 'tool', 'content': 'error: 1/0 < 1'}]
+    text = apply_chat_template(cfg.template, messages, tools=[env.tools['calculator'][1]], add_generation_prompt=True)
+    assert encode_prompt(row['prompt'], cfg, enc) + ids == enc.encode(text, allowed_special='all')
+    assert record[0]['observations'] == ['177664', 'error: 1/0 < 1']
 
 
 def test_bad_environments_are_one_line_errors():
@@ -222,7 +256,7 @@ def test_a_stop_string_of_several_tokens_ends_a_turn_where_the_text_ends_with_it
     assert bpe.encode_single_token('>') in ids and len(ids) > 10
     assert all(bpe.decode_single_token_bytes(i).endswith(b'>') for i in ids)
     assert not {bpe.encode_single_token(t) for t in bpe.special_tokens_set} & set(ids)
-    cfg = SimpleNamespace(max_turns=4, chat_template='none', eos_ids=[enc.eot_token])
+    cfg = SimpleNamespace(max_turns=4, template=None, eos_ids=[enc.eot_token])
     turns, record, _ = episodes(env, [{"prompt": "p"}], 1, cfg, enc)
     assert turns(0, enc.encode_ordinary('2 <b> 3')) == []  # a '>', not the end of '</calc>'
     assert turns(0, enc.encode_ordinary('<calc>2*3</calc>')) == enc.encode_ordinary('[16>]')
