@@ -333,6 +333,11 @@ def run_template(config, state=None):
     source = "none" if config["chat_template"] == "auto" and not pretrained else config["chat_template"]
     checkpoint = config["init_from"] if pretrained else config["tokenizer"]
     config["chat_date"] = config["chat_date"] or datetime.date.today().isoformat()
+    try:
+        datetime.date.fromisoformat(config["chat_date"])
+    except ValueError:
+        raise ConfigError(f"chat_date={config['chat_date']!r} is not a day written YYYY-MM-DD (e.g. 2025-03-09), "
+                          f"nor '' for the day the run starts") from None
     template = load_template(source, checkpoint, config["chat_date"])
     config["chat_template"] = "none" if template is None else checkpoint if source == "auto" else source
     return template
