@@ -1,10 +1,11 @@
 """
-Chat templates: every checkpoint's own Jinja template, found where checkpoints keep it (load_template) and rendered
-as transformers' apply_chat_template renders it (apply_chat_template): jinja2's sandbox with transformers'
-settings, filters and globals. No family is written out by hand here, so none can drift from its model. Then a
-prompt's tokens under the run's template (encode_prompt), the tokens that end a turn (stop_ids), what a multi-turn
-rollout appends for tool results (tool_turn) and what a reward model reads (render_answered). docs/chat_templates.md
-says why exactness matters for RL.
+Chat templates: every checkpoint's own Jinja template, found where checkpoints keep it
+(load_template) and rendered as transformers' apply_chat_template renders it (apply_chat_template):
+jinja2's sandbox with transformers' settings, filters and globals. No family is written out by hand
+here, so none can drift from its model. Then a prompt's tokens under the run's template
+(encode_prompt), the tokens that end a turn (stop_ids), what a multi-turn rollout appends for tool
+results (tool_turn) and what a reward model reads (render_answered). docs/chat_templates.md says why
+exactness matters for RL.
 """
 import datetime
 import functools
@@ -23,17 +24,22 @@ from lib.hf import read_json
 from lib.tokenizer import eos_ids
 
 # the special-token strings a template reads, as transformers passes them (its special_tokens_map)
-TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# text that looks like a template's own control token: <|im_start|>, DeepSeek's <｜User｜>, Gemma's <start_of_turn>
+TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+               "mask_token")
+# what a template's own control tokens look like: <|im_start|>, DeepSeek's <｜User｜>, <start_of_turn>
 CONTROL = re.compile(r"<\|[^<>|\s]{1,40}\|>|<｜[^<>｜]{1,40}｜>|<(?:start|end)_of_turn>")
-TURN, PLACEHOLDER = "nanoGRPO's turn", "nanoGRPO-result-"  # stand-ins, to find what a template writes around
-HOW = "give chat_template= a .jinja file or the template's text, or chat_template='none' for raw string prompts"
+# stand-ins for the policy's turn and the results, to find what a template writes around them
+TURN, PLACEHOLDER = "nanoGRPO's turn", "nanoGRPO-result-"
+HOW = ("give chat_template= a .jinja file or the template's text, or chat_template='none' for raw "
+       "string prompts")
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # jinja2's own tojson escapes <, >, & and ' for HTML; templates are written against transformers' filter, which is
-    # json.dumps with these keywords: tool descriptions render with their non-ASCII text and key order as they are
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    # jinja2's own tojson escapes <, >, & and ' for HTML; templates are written against
+    # transformers' filter, json.dumps with these keywords: tool descriptions keep their non-ASCII
+    # text and key order
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _raise(message):
@@ -41,8 +47,8 @@ def _raise(message):
 
 
 class _Generation(Extension):
-    """{% generation %}...{% endgeneration %} marks the assistant's own text (for an SFT loss mask in
-    transformers); rendering it is rendering its body."""
+    """{% generation %}...{% endgeneration %} marks the assistant's own text (for an SFT loss mask
+    in transformers); rendering it is rendering its body."""
     tags = {"generation"}
 
     def parse(self, parser):
@@ -52,48 +58,50 @@ class _Generation(Extension):
 
 @functools.lru_cache(maxsize=32)
 def compile_template(text):
-    """A template's text compiled once per run (lru_cache): the sandbox transformers renders in, with its
-    trim_blocks, lstrip_blocks, loop controls, tojson and raise_exception (strftime_now comes at render time)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    """A template's text compiled once per run (lru_cache): the sandbox transformers renders in,
+    with its trim_blocks, lstrip_blocks, loop controls, tojson and raise_exception (strftime_now
+    comes at render time)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     try:
         return env.from_string(text)
     except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"the chat template is not valid Jinja: {e.message} (its line {e.lineno}); {HOW}") from None
-
-
-def _token(value):
-    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's dict."""
-    return value.get("content") if isinstance(value, dict) else value
+        raise ConfigError(f"the chat template is not valid Jinja: {e.message} (its line "
+                          f"{e.lineno}); {HOW}") from None
 
 
 def find_template(path):
-    """(the chat template, {token name: string}) of the checkpoint at path: a Hugging Face directory's
-    chat_template.jinja (transformers 5 writes it), chat_template.json or tokenizer_config.json's chat_template (a
-    string, or a list of named templates: then {name: text}), or a .gguf's tokenizer.chat_template; None if it has
-    none. The tokens are tokenizer_config.json's (or special_tokens_map.json's), a GGUF's by their ids."""
+    """(the chat template, {token name: string}) of the checkpoint at path: a Hugging Face
+    directory's chat_template.jinja (transformers 5 writes it), chat_template.json or
+    tokenizer_config.json's chat_template (a string, or a list of named templates: then {name:
+    text}), or a .gguf's tokenizer.chat_template; None if it has none. The tokens are
+    tokenizer_config.json's (or special_tokens_map.json's), a GGUF's by their ids."""
     if str(path).endswith(".gguf"):
         return gguf_file.chat_template(path), gguf_file.special_tokens(path)
     fix = "restore it from the checkpoint's files"
-    config, tokens = (read_json(os.path.join(path, f), "", fix) if os.path.isfile(os.path.join(path, f)) else {}
-                      for f in ("tokenizer_config.json", "special_tokens_map.json"))
-    tokens = {k: _token(config.get(k, tokens.get(k))) for k in TOKEN_NAMES if config.get(k, tokens.get(k))}
+    files = [os.path.join(path, f) for f in ("tokenizer_config.json", "special_tokens_map.json")]
+    config, tokens = (read_json(f, "", fix) if os.path.isfile(f) else {} for f in files)
+    tokens = {k: config.get(k, tokens.get(k)) for k in TOKEN_NAMES}  # a string or AddedToken dict
+    tokens = {k: v.get("content") if isinstance(v, dict) else v for k, v in tokens.items() if v}
     if os.path.isfile(os.path.join(path, "chat_template.jinja")):
         with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
             return f.read(), tokens
     if os.path.isfile(os.path.join(path, "chat_template.json")):
-        return read_json(os.path.join(path, "chat_template.json"), "", fix).get("chat_template"), tokens
+        file = os.path.join(path, "chat_template.json")
+        return read_json(file, "", fix).get("chat_template"), tokens
     template = config.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": ...}]
         template = {t["name"]: t["template"] for t in template}
     return template, tokens
 
 
 def load_template(source, checkpoint=None, date=None):
-    """The chat template `source` names, or None for 'none': a checkpoint (a Hugging Face directory or a .gguf;
-    'auto' is `checkpoint`'s), a .jinja file or the template's text (their special tokens `checkpoint`'s). A
-    template writes `date` (YYYY-MM-DD) where it calls strftime_now; None: today's, as transformers does."""
+    """The chat template `source` names, or None for 'none': a checkpoint (a Hugging Face directory
+    or a .gguf; 'auto' is `checkpoint`'s), a .jinja file or the template's text (their special
+    tokens `checkpoint`'s). A template writes `date` (YYYY-MM-DD) where it calls strftime_now; None:
+    today's, as transformers does."""
     tokens = find_template(checkpoint)[1] if checkpoint and os.path.exists(checkpoint) else {}
     if source == "none" or source == "auto" and not (checkpoint and os.path.exists(checkpoint)):
         return None
@@ -108,8 +116,8 @@ def load_template(source, checkpoint=None, date=None):
     elif isinstance(source, str) and ("{{" in source or "{%" in source):
         text, where = source, "the chat template given"
     else:
-        raise ConfigError(f"chat_template={source!r} is not 'auto', 'none', a checkpoint, a .jinja file or a "
-                          f"template's text (Jinja, with {{{{ or {{%)")
+        raise ConfigError(f"chat_template={source!r} is not 'auto', 'none', a checkpoint, a .jinja "
+                          f"file or a template's text (Jinja, with {{{{ or {{%)")
     texts = text if isinstance(text, dict) else {"default": text}
     for t in texts.values():
         compile_template(t)  # invalid Jinja fails now, not at the first prompt
@@ -117,15 +125,15 @@ def load_template(source, checkpoint=None, date=None):
 
 
 def _missing(path, how=HOW):
-    raise ConfigError(f"{path} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config."
-                      f"json's chat_template); {how}")
+    raise ConfigError(f"{path} has no chat template (chat_template.jinja, chat_template.json or "
+                      f"tokenizer_config.json's chat_template); {how}")
 
 
 def checkpoint_template(path, date=None):
     """The chat template of the checkpoint at path, which needs one (a reward model, a judge)."""
     if find_template(path)[0] is None:
-        _missing(path, "a reward model or judge reads its own: put the one it was trained with there, as "
-                       "chat_template.jinja")
+        _missing(path, "a reward model or judge reads its own: put the one it was trained with "
+                       "there, as chat_template.jinja")
     return load_template(path, date=date)
 
 
@@ -136,17 +144,19 @@ def _strftime_now(date):
 
 def apply_chat_template(template, messages, tools=None, add_generation_prompt=False, **kwargs):
     """The text transformers' tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-    add_generation_prompt=..., **kwargs) renders, byte for byte. template: load_template's, a checkpoint's path or
-    a template's text. kwargs are the template's own (documents, enable_thinking, ...) and override its special
-    tokens; messages' keys that are None are left out, as transformers does. A template that refuses the
-    conversation (its raise_exception, e.g. roles that must alternate), or tries to reach Python internals, is a
-    ConfigError of one line."""
+    add_generation_prompt=..., **kwargs) renders, byte for byte. template: load_template's, a
+    checkpoint's path or a template's text. kwargs are the template's own (documents,
+    enable_thinking, ...) and override its special tokens; messages' keys that are None are left
+    out, as transformers does. A template that refuses the conversation (its raise_exception, e.g.
+    roles that must alternate), or tries to reach Python internals, is a ConfigError of one line."""
     if not isinstance(template, SimpleNamespace):
         template = load_template(template) or _missing(template)
     texts = template.texts
-    name = kwargs.pop("chat_template", None) or ("tool_use" if tools is not None and "tool_use" in texts else "default")
+    name = kwargs.pop("chat_template", None) or (
+        "tool_use" if tools is not None and "tool_use" in texts else "default")
     if name not in texts:
-        raise ConfigError(f"{template.where} has the chat templates {sorted(texts)}, none named {name!r}")
+        raise ConfigError(f"{template.where} has the chat templates {sorted(texts)}, none named "
+                          f"{name!r}")
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     try:
         return compile_template(texts[name]).render(
@@ -154,16 +164,19 @@ def apply_chat_template(template, messages, tools=None, add_generation_prompt=Fa
             add_generation_prompt=add_generation_prompt, strftime_now=_strftime_now(template.date),
             **{**template.tokens, **kwargs})
     except jinja2.exceptions.SecurityError as e:
-        raise ConfigError(f"{template.where}'s chat template tried to reach Python internals, which the sandbox "
-                          f"refuses ({e}); {HOW}") from None
+        raise ConfigError(f"{template.where}'s chat template tried to reach Python internals, "
+                          f"which the sandbox refuses ({e}); {HOW}") from None
     except jinja2.TemplateError as e:
-        raise ConfigError(f"{template.where}'s chat template refuses the conversation: {e.message}") from None
+        raise ConfigError(f"{template.where}'s chat template refuses the conversation: "
+                          f"{e.message}") from None
 
 
 def _probe(template):
-    """A conversation the template renders, for the tokens it writes: with a system message if it takes one."""
+    """A conversation the template renders, for the tokens it writes: with a system message if it
+    takes one."""
     user, answer = dict(role="user", content="2+2?"), dict(role="assistant", content="4")
-    for messages in ([dict(role="system", content="S"), user, answer, user], [user, answer, user], [user]):
+    system = dict(role="system", content="S")
+    for messages in ([system, user, answer, user], [user, answer, user], [user]):
         try:
             return apply_chat_template(template, messages, add_generation_prompt=True)
         except ConfigError:
@@ -172,107 +185,127 @@ def _probe(template):
 
 
 def check_template(template, enc, name):
-    """Refuse a template that writes a control token (<|im_start|>, its bos_token, ...) which tokenizer `name` lacks
-    as a special token: that text would be tokenized as plain text, a prompt the model never saw."""
+    """Refuse a template that writes a control token (<|im_start|>, its bos_token, ...) which
+    tokenizer `name` lacks as a special token: that text would be tokenized as plain text, a prompt
+    the model never saw."""
     if template is None:
         return
     text = _probe(template)
     wanted = set(CONTROL.findall(text)) | {t for t in template.tokens.values() if t in text}
     missing = sorted(wanted - enc.special_tokens_set)
     if missing:
-        raise ConfigError(f"{template.where}'s chat template writes the special tokens {missing}, which tokenizer "
-                          f"{name!r} lacks; use the checkpoint's own tokenizer, or chat_template='none'")
+        raise ConfigError(f"{template.where}'s chat template writes the special tokens {missing}, "
+                          f"which tokenizer {name!r} lacks; use the checkpoint's own tokenizer, or "
+                          f"chat_template='none'")
 
 
 def prompt_messages(prompt, system_prompt=None):
-    """The messages of a prompt, checked: a string is one user message; system_prompt comes first where the first
-    message is not a system one. The model answers the last message, so it is not the assistant's."""
+    """The messages of a prompt, checked: a string is one user message; system_prompt comes first
+    where the first message is not a system one. The model answers the last message, so it is not
+    the assistant's."""
     if isinstance(prompt, str):
         prompt = [dict(role="user", content=prompt)]
     if not isinstance(prompt, list) or not prompt:
-        raise ConfigError(f"a prompt is a string or a non-empty list of messages, not {prompt!r:.100}")
+        raise ConfigError(f"a prompt is a string or a non-empty list of messages, not "
+                          f"{prompt!r:.100}")
     for i, m in enumerate(prompt):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ConfigError(f"prompt message {i} is not a dict with a string 'role' and 'content': {m!r:.100}")
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and
+                isinstance(m.get("content"), str)):
+            raise ConfigError(f"prompt message {i} is not a dict with a string 'role' and "
+                              f"'content': {m!r:.100}")
     if prompt[-1]["role"] == "assistant":
-        raise ConfigError("the last prompt message is the assistant's: the model answers the last message")
+        raise ConfigError("the last prompt message is the assistant's: the model answers the last "
+                          "message")
     if system_prompt is not None and prompt[0]["role"] != "system":
         prompt = [dict(role="system", content=system_prompt), *prompt]
     return prompt
 
 
 def tools_of(env):
-    """The tool descriptions an environment gives the model in its prompt (QwenTools' .tools), or None."""
+    """The tool descriptions an environment gives the model in its prompt (QwenTools' .tools), or
+    None."""
     tools = getattr(env, "tools", None)
     return [d for _, d in tools.values()] if isinstance(tools, dict) else None
 
 
 def encode_prompt(prompt, cfg, enc):
-    """A row's prompt (a string or a list of messages) as token ids: with no template (cfg.template None) a string
-    as it is; else rendered by the run's template with add_generation_prompt, the system_prompt, the environment's
-    tools and chat_template_kwargs, its special tokens then their ids."""
+    """A row's prompt (a string or a list of messages) as token ids: with no template (cfg.template
+    None) a string as it is; else rendered by the run's template with add_generation_prompt, the
+    system_prompt, the environment's tools and chat_template_kwargs, its special tokens then their
+    ids."""
     if cfg.template is None:
         if not isinstance(prompt, str):
-            raise ConfigError(f"a prompt is a list of messages but the run has no chat template; {HOW}")
+            raise ConfigError(f"a prompt is a list of messages but the run has no chat template; "
+                              f"{HOW}")
         return enc.encode_ordinary(prompt)
-    text = apply_chat_template(cfg.template, prompt_messages(prompt, cfg.system_prompt), add_generation_prompt=True,
-                               tools=tools_of(getattr(cfg, "environment", None)), **cfg.chat_template_kwargs)
+    text = apply_chat_template(cfg.template, prompt_messages(prompt, cfg.system_prompt),
+                               tools=tools_of(getattr(cfg, "environment", None)),
+                               add_generation_prompt=True, **cfg.chat_template_kwargs)
     return enc.encode(text, allowed_special="all")
 
 
 def end_of_turn(template, enc):
-    """The id of the special token the template closes an answered turn with (<|im_end|>, <|eot_id|>, Gemma's
-    <end_of_turn>, ...), or None: what follows the assistant's text where it renders an answered conversation."""
+    """The id of the special token the template closes an answered turn with (<|im_end|>,
+    <|eot_id|>, Gemma's <end_of_turn>, ...), or None: what follows the assistant's text where it
+    renders an answered conversation."""
     mark = "nanoGRPO's answer"
     try:
-        text = apply_chat_template(template, [dict(role="user", content="2+2?"), dict(role="assistant", content=mark)])
+        text = apply_chat_template(template, [dict(role="user", content="2+2?"),
+                                              dict(role="assistant", content=mark)])
     except ConfigError:
         return None
     after = text[text.rfind(mark) + len(mark):] if mark in text else ""
-    token = next((t for t in sorted(enc.special_tokens_set, key=len, reverse=True) if after.startswith(t)), None)
+    token = next((t for t in sorted(enc.special_tokens_set, key=len, reverse=True)
+                  if after.startswith(t)), None)
     return token and enc.encode_single_token(token)
 
 
 def stop_ids(enc, template=None, path=None):
-    """The ids that end a completion; the first is the one a finished answer is written with (warm start, padding):
-    the chat template's end of turn, then the eos ids of the checkpoint the tokenizer came from (path: its
-    directory, tokenizer.json or .gguf file; instruct models list several), then the tokenizer's end of text.
-    Checks first that enc has the template's special tokens."""
+    """The ids that end a completion; the first is the one a finished answer is written with (warm
+    start, padding): the chat template's end of turn, then the eos ids of the checkpoint the
+    tokenizer came from (path: its directory, tokenizer.json or .gguf file; instruct models list
+    several), then the tokenizer's end of text. Checks first that enc has the template's special
+    tokens."""
     check_template(template, enc, path)
     turn_end = end_of_turn(template, enc) if template is not None else None
     ids = [turn_end] if turn_end is not None else []
-    path = path if path and os.path.exists(path) else None  # a built-in tokenizer's name is no checkpoint
-    folder = path if path is None or os.path.isdir(path) or path.endswith(".gguf") else os.path.dirname(path)
+    path = path if path and os.path.exists(path) else None  # a built-in tokenizer's name: none
+    folder = path if path is None or os.path.isdir(path) or path.endswith(".gguf") else \
+        os.path.dirname(path)
     ids += (folder and eos_ids(folder)) or []
     ids += [enc.eot_token] if enc.eot_token is not None else []
     return list(dict.fromkeys(ids))  # no repeats, first one first
 
 
 def tool_turn(template, messages, results, end="", tools=None, **kwargs):
-    """What a multi-turn rollout appends after the policy's turn, never re-rendering what it sampled: what the
-    template writes after that turn in the conversation rendered with `results` (messages, e.g. {'role': 'tool',
-    'content': ...}) after it and add_generation_prompt, less the policy's sampled end of turn `end`. `messages`:
-    the conversation before the turn (its prompt, earlier turns and results); tools and kwargs as the prompt was
-    rendered with. The policy's turn is a stand-in here: what follows it does not depend on its text. Returns
-    [(text, is the template's)]: the results' text as the template writes it is ordinary text, whatever it holds
-    (never special tokens); where the template writes a result in a way that depends on its text, the result goes
-    as it is where the template wrote a stand-in's."""
+    """What a multi-turn rollout appends after the policy's turn, never re-rendering what it
+    sampled: what the template writes after that turn in the conversation rendered with `results`
+    (messages, e.g. {'role': 'tool', 'content': ...}) after it and add_generation_prompt, less the
+    policy's sampled end of turn `end`. `messages`: the conversation before the turn (its prompt,
+    earlier turns and results); tools and kwargs as the prompt was rendered with. The policy's turn
+    is a stand-in here: what follows it does not depend on its text. Returns [(text, is the
+    template's)]: the results' text as the template writes it is ordinary text, whatever it holds
+    (never special tokens); where the template writes a result in a way that depends on its text,
+    the result goes as it is where the template wrote a stand-in's."""
     def render(results):
         turn = dict(role="assistant", content=TURN)
-        return apply_chat_template(template, [*messages, turn, *results], tools=tools, add_generation_prompt=True,
-                                   **kwargs)
+        return apply_chat_template(template, [*messages, turn, *results], tools=tools,
+                                   add_generation_prompt=True, **kwargs)
     held = render([dict(m, content=f"{PLACEHOLDER}{i}|") for i, m in enumerate(results)])
     written = render(results)
     if TURN not in held:
-        raise ConfigError(f"{template.where}'s chat template drops the policy's turn once {results[0]['role']!r} "
-                          f"messages follow it; a multi-turn rollout appends to what it sampled and cannot use it")
+        raise ConfigError(f"{template.where}'s chat template drops the policy's turn once "
+                          f"{results[0]['role']!r} messages follow it; a multi-turn rollout "
+                          f"appends to what it sampled and cannot use it")
     at = held.rindex(TURN) + len(TURN)
-    parts = re.split(f"{re.escape(PLACEHOLDER)}(\\d+)\\|", held[at:])  # [the template's, i, the template's, ...]
+    # [the template's text, a result's index, the template's, ...]
+    parts = re.split(f"{re.escape(PLACEHOLDER)}(\\d+)\\|", held[at:])
     if sorted(map(int, parts[1::2])) != list(range(len(results))):
-        raise ConfigError(f"{template.where}'s chat template does not write {results[0]['role']!r} messages after "
-                          f"the policy's turn as they come; the environment's results would not reach the model")
-    found = held[:at] == written[:at] and re.fullmatch("(.*?)".join(map(re.escape, parts[::2])), written[at:],
-                                                       re.DOTALL)
+        raise ConfigError(f"{template.where}'s chat template does not write {results[0]['role']!r} "
+                          f"messages after the policy's turn as they come; the environment's "
+                          f"results would not reach the model")
+    between = "(.*?)".join(map(re.escape, parts[::2]))
+    found = held[:at] == written[:at] and re.fullmatch(between, written[at:], re.DOTALL)
     texts = found.groups() if found else [results[int(i)]["content"] for i in parts[1::2]]
     pieces = [(parts[0][len(end):] if end and parts[0].startswith(end) else parts[0], True)]
     for text, after in zip(texts, parts[2::2]):
@@ -281,8 +314,9 @@ def tool_turn(template, messages, results, end="", tools=None, **kwargs):
 
 
 def encode_pieces(pieces, enc):
-    """The token ids of [(text, is the template's)]: the special tokens in the template's text become theirs, all
-    other text (a tool's, whatever it holds) is ordinary, tokenized across the pieces' seams as one text is."""
+    """The token ids of [(text, is the template's)]: the special tokens in the template's text
+    become theirs, all other text (a tool's, whatever it holds) is ordinary, tokenized across the
+    pieces' seams as one text is."""
     ids, run = [], ""
     specials = _specials(frozenset(enc.special_tokens_set))
     for text, own in pieces:
@@ -304,10 +338,12 @@ def _specials(tokens):
 
 
 def rewrites_history(template, **kwargs):
-    """Whether the template renders a conversation differently from its prompt and the policy's turn once a user
-    or tool turn follows (Qwen3 drops past reasoning; DeepSeek-R1's prompt opens a <think> its turns lose): then a
-    multi-turn trajectory, which only appends, is not what re-rendering its conversation would give."""
-    user, turn = dict(role="user", content="2+2?"), dict(role="assistant", content="<think>\n2+2\n</think>\n\n4")
+    """Whether the template renders a conversation differently from its prompt and the policy's turn
+    once a user or tool turn follows (Qwen3 drops past reasoning; DeepSeek-R1's prompt opens a
+    <think> its turns lose): then a multi-turn trajectory, which only appends, is not what
+    re-rendering its conversation would give."""
+    user = dict(role="user", content="2+2?")
+    turn = dict(role="assistant", content="<think>\n2+2\n</think>\n\n4")
     for after in (user, dict(role="tool", content="4")):
         try:
             head = apply_chat_template(template, [user], add_generation_prompt=True, **kwargs)
@@ -320,38 +356,43 @@ def rewrites_history(template, **kwargs):
 
 
 def run_template(config, state=None):
-    """The run's chat template, from config's chat_template (see load_template): 'auto' is init_from's own, none
-    for a model from scratch; the special tokens are init_from's or the tokenizer's checkpoint's. A resumed run
-    renders as its first one did: with 'auto', the template saved in its config, and always its date. Sets
-    config['chat_template'] to where the template came from and config['chat_date'] to the day strftime_now
-    writes (today's, unless given), so that both are saved with the run."""
+    """The run's chat template, from config's chat_template (see load_template): 'auto' is
+    init_from's own, none for a model from scratch; the special tokens are init_from's or the
+    tokenizer's checkpoint's. A resumed run renders as its first one did: with 'auto', the template
+    saved in its config, and always its date. Sets config['chat_template'] to where the template
+    came from and config['chat_date'] to the day strftime_now writes (today's, unless given), so
+    that both are saved with the run."""
     if state:
         config["chat_date"] = config["chat_date"] or state["config"].get("chat_date", "")
-        config["chat_template"] = state["config"]["chat_template"] if config["chat_template"] == "auto" else \
-            config["chat_template"]
+        if config["chat_template"] == "auto":
+            config["chat_template"] = state["config"]["chat_template"]
     pretrained = config["init_from"] not in ("scratch", "resume")
-    source = "none" if config["chat_template"] == "auto" and not pretrained else config["chat_template"]
+    source = config["chat_template"]
+    source = "none" if source == "auto" and not pretrained else source
     checkpoint = config["init_from"] if pretrained else config["tokenizer"]
     config["chat_date"] = config["chat_date"] or datetime.date.today().isoformat()
     try:
         datetime.date.fromisoformat(config["chat_date"])
     except ValueError:
-        raise ConfigError(f"chat_date={config['chat_date']!r} is not a day written YYYY-MM-DD (e.g. 2025-03-09), "
-                          f"nor '' for the day the run starts") from None
+        raise ConfigError(f"chat_date={config['chat_date']!r} is not a day written YYYY-MM-DD "
+                          f"(e.g. 2025-03-09), nor '' for the day the run starts") from None
     template = load_template(source, checkpoint, config["chat_date"])
-    config["chat_template"] = "none" if template is None else checkpoint if source == "auto" else source
+    config["chat_template"] = ("none" if template is None else checkpoint if source == "auto" else
+                               source)
     return template
 
 
 def text_of(ids, cfg, enc):
-    """The text of a trajectory's tokens, as the environment and the reward functions read it: its final eos left out
-    (a stop token kept, and the eos ids inside it, such as the end of a chat turn), and ids past the tokenizer's
-    vocabulary, which a padded output layer can sample."""
+    """The text of a trajectory's tokens, as the environment and the reward functions read it: its
+    final eos left out (a stop token kept, and the eos ids inside it, such as the end of a chat
+    turn), and ids past the tokenizer's vocabulary, which a padded output layer can sample."""
     ids = ids[:-1] if ids and ids[-1] in cfg.eos_ids else ids
     return enc.decode([x for x in ids if x < enc.n_vocab])
 
 
 def render_answered(template, prompt, completion):
-    """The text of `prompt` answered by `completion` as the template renders the whole conversation (transformers'
-    apply_chat_template with the assistant's message, no generation prompt): what a reward model reads."""
-    return apply_chat_template(template, [*prompt_messages(prompt), dict(role="assistant", content=completion)])
+    """The text of `prompt` answered by `completion` as the template renders the whole conversation
+    (transformers' apply_chat_template with the assistant's message, no generation prompt): what a
+    reward model reads."""
+    answered = [*prompt_messages(prompt), dict(role="assistant", content=completion)]
+    return apply_chat_template(template, answered)
