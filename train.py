@@ -45,9 +45,9 @@ task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "a
 task_options = {}  # a built-in task's options (see data.py); {} = its defaults (addition: 2 digits)
 test_task = ''  # held-out data: '' = the task's own test split
 tokenizer = ''  # 'bytes', 'gpt2' (tiktoken's), a tokenizer.json or its directory, a .gguf; '' = init_from's or 'bytes'
-chat_template = 'auto'  # init_from's own (scratch: none); 'none' (raw prompts), a checkpoint, .jinja file or text
-system_prompt, chat_template_kwargs = None, {}  # a system message for prompts without one; e.g. enable_thinking
-chat_date = ''  # the day (YYYY-MM-DD) a template's strftime_now writes; '' = the run's first day, kept on resume
+chat_template = 'auto'  # init_from's; 'none' (raw prompts), a checkpoint, a .jinja file, Jinja text
+system_prompt, chat_template_kwargs = None, {}  # a default system message; template keywords
+chat_date = ''  # the day strftime_now writes (YYYY-MM-DD); '' = the run's first, kept on resume
 reward_funcs, reward_weights = (), ()  # reward function names from reward.py and their weights; () = the task's, 1s
 # rewards from models (reward_model.py), named 'rm:DIR' (a reward model) or 'judge:PATH' (an LLM judge) in reward_funcs
 reward_model_dtype = 'float32'  # their weights' dtype: 'float32', 'bfloat16' or 'float64'
@@ -140,7 +140,7 @@ sft_iters = config['sft_iters'] = sft.default_iters(init_from) if sft_iters is N
 check_config(config, world_size, distributed)  # and the loss's settings, and the sampler's
 state = checkpoint.load_state(out_dir, parallel, world_size) if init_from == 'resume' else None
 tokenizer = config['tokenizer'] = tokenizer or checkpoint.default_tokenizer(init_from, state)
-template = chat.run_template(config, state)  # 'auto' resolved and the date fixed, both saved in config.json
+template = chat.run_template(config, state)  # 'auto' resolved, the date fixed: saved in config.json
 if dtype == 'auto':  # rank 0 measures, so that every rank computes in the same dtype
     dtype = config['dtype'] = parallelism.from_rank0(fastest_dtype(device) if master else None)
 autocast = dtype in ('bfloat16', 'float16')
@@ -153,7 +153,7 @@ loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL i
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
-cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer)  # the template's end of turn first; its tokens checked
+cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer)  # the turn's end first; tokens checked
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
 cfg.environment = multiturn.environment(env, sandbox, cfg) if env else None
 wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # optional: only when asked for

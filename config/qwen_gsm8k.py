@@ -4,7 +4,7 @@
 # Qwen2.5-1.5B-Instruct: add --init_from=models/Qwen2.5-1.5B-Instruct --out_dir=out-qwen1.5b_gsm8k
 
 out_dir = 'out-qwen_gsm8k'
-init_from = 'models/Qwen2.5-0.5B-Instruct'  # its tokenizer.json, chat template, generation_config.json too
+init_from = 'models/Qwen2.5-0.5B-Instruct'  # its tokenizer, chat template, generation_config too
 task = 'data/gsm8k/{split}.jsonl'  # the question + "put your final answer within \boxed{}"; reward: the number
 block_size = 1024  # template + question stay under ~300 tokens
 max_completion_length = 512

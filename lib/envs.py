@@ -2,12 +2,14 @@
 Environments for multi-turn rollouts (train.py's env): after each turn the policy ends, the environment says what
 the policy observes next, or that the episode is over. An environment is any object with
 
-    step(row, text) -> str, message(s) or None   row: the dataset row ('prompt', 'answer', ...); text: the
-                                     trajectory so far, the policy's turns and the observations between them.
-                                     Returns text to append as it is (ordinary text, never special tokens), or a
-                                     message or list of them, e.g. {'role': 'tool', 'content': result}, which the
-                                     run's chat template renders after the policy's turn, or None: the episode is
-                                     over.
+    step(row, text) -> str, message(s) or None
+                                     row: the dataset row ('prompt', 'answer', ...); text: the
+                                     trajectory so far, the policy's turns and the observations
+                                     between them. Returns text to append as it is (ordinary text,
+                                     never special tokens), or a message or list of them, e.g.
+                                     {'role': 'tool', 'content': result}, which the run's chat
+                                     template renders after the policy's turn, or None: the
+                                     episode is over.
     stop                             optional: strings that end a turn besides the end of turn: where the
                                      policy's text comes to end with one (of one token or several).
 
@@ -35,9 +37,10 @@ class Calculator:
 
 class QwenTools:
     """Qwen's tool calls: an assistant turn that ends with <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-    gets the tool's result as a tool message, which the run's chat template renders (chat.tool_turn); a malformed
-    call gets one that says what is wrong with it. The tools' descriptions (chat.tools_of) go into every prompt
-    through the template's `tools`, as any template that takes tools writes them. The python tool runs in the
+    gets the tool's result as a tool message, which the run's chat template renders
+    (chat.tool_turn); a malformed call gets one that says what is wrong with it. The tools'
+    descriptions (chat.tools_of) go into every prompt through the template's `tools`, as any
+    template that takes tools writes them. The python tool runs in the
     sandbox named (tools.SANDBOXES), checked here: a policy that cannot be isolated stops the run before it starts."""
     def __init__(self, available=None, sandbox='bwrap'):
         self.tools = available or tools.tool_set(sandbox)

@@ -183,8 +183,8 @@ def chat_template(path):
     return _metadata(path, "tokenizer.chat_template")
 
 def special_tokens(path):
-    """{bos_token, eos_token, pad_token, unk_token: their strings} for the file's token ids that name them, as a
-    chat template reads them."""
+    """{bos_token, eos_token, pad_token, unk_token: their strings} for the file's token ids that
+    name them, as a chat template reads them."""
     tokens = _need(path, "tokenizer.ggml.tokens")
     ids = {name: _metadata(path, f"tokenizer.ggml.{key}_token_id")
            for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"),
@@ -251,7 +251,8 @@ def write_hf_tokenizer(path, folder):
     tok = tokenizer_json(path)
     names = special_tokens(path)
     config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=names.get("bos_token"),
-                  eos_token=names.get("eos_token"), pad_token=names.get("pad_token"), unk_token=None,
+                  eos_token=names.get("eos_token"), pad_token=names.get("pad_token"),
+                  unk_token=None,
                   add_bos_token=bool(_metadata(path, "tokenizer.ggml.add_bos_token", False)),
                   chat_template=_metadata(path, "tokenizer.chat_template"), model_max_length=_need(
                       path, f"{_architecture(path)}.context_length"))

@@ -17,19 +17,21 @@ from lib.errors import ConfigError
 
 
 def environment(name, sandbox, cfg):
-    """The run's environment (lib/envs.py's get_env), imported only now: see the module's docstring. With a chat
-    template, the tool turn it renders is checked now (chat.tool_turn), and where the template rewrites earlier
-    turns a line says what the run does about it."""
+    """The run's environment (lib/envs.py's get_env), imported only now: see the module's
+    docstring. With a chat template, the tool turn it renders is checked now (chat.tool_turn), and
+    where the template rewrites earlier turns a line says what the run does about it."""
     from lib.envs import get_env
     env = get_env(name, sandbox)
     tools = chat.tools_of(env)
     if cfg.template is not None and tools:
         user = dict(role='user', content='2+2?')
-        chat.tool_turn(cfg.template, [user], [dict(role='tool', content='4')], tools=tools, **cfg.chat_template_kwargs)
+        chat.tool_turn(cfg.template, [user], [dict(role='tool', content='4')], tools=tools,
+                       **cfg.chat_template_kwargs)
     if cfg.template is not None and chat.rewrites_history(cfg.template, **cfg.chat_template_kwargs):
-        print(f"note: {cfg.template.where}'s chat template renders a past turn differently once a user turn follows "
-              f"(Qwen3 drops its reasoning); this run keeps the tokens each turn sampled and appends only what the "
-              f"template renders for what follows: a trajectory is what the policy saw, not a re-rendering")
+        print(f"note: {cfg.template.where}'s chat template renders a past turn differently once a "
+              f"turn follows (Qwen3 drops its reasoning); this run keeps the tokens each turn "
+              f"sampled and appends only what the template renders for what follows: a trajectory "
+              f"is what the policy saw, not a re-rendering")
     return env
 
 
@@ -79,7 +81,8 @@ def episodes(env, rows, G, cfg, enc):
             record[i]['finished'] = True
             return None
         seen.append(content(observation))
-        return encode_observation(observation, cfg, enc, episode=record[i], ids=ids, row=rows[i // G])
+        return encode_observation(observation, cfg, enc, episode=record[i], ids=ids,
+                                  row=rows[i // G])
     return turns, record, cfg.eos_ids + stop_ids(env, enc)
 
 
@@ -103,30 +106,35 @@ def metrics(info, gather):
 
 
 def content(observation):
-    """An observation's own text: a string's, or its messages' contents (what counts() and the rewards read)."""
+    """An observation's own text: a string's, or its messages' contents (what counts() and the
+    rewards read)."""
     if isinstance(observation, str):
         return observation
-    return '\n'.join(m['content'] for m in ([observation] if isinstance(observation, dict) else observation))
+    messages = [observation] if isinstance(observation, dict) else observation
+    return '\n'.join(m['content'] for m in messages)
 
 
-def _utf8(text):  # a lone surrogate (a tool can echo one from the model's JSON) becomes '?': tokenizers take UTF-8
+def _utf8(text):
+    # a lone surrogate (a tool can echo one from the model's JSON) becomes '?': UTF-8 only
     return text.encode('utf-8', errors='replace').decode('utf-8')
 
 
 def encode_observation(observation, cfg, enc, *, episode, ids, row):
-    """An observation's token ids. A string is ordinary text, appended as it is (no special tokens, whatever it
-    holds). A message or a list of them (a tool's result: {'role': 'tool', 'content': ...}) is what the run's chat
-    template renders for them after the policy's turn (chat.tool_turn): its turn markers are special tokens, the
-    messages' text ordinary. The episode (a row's record) keeps the conversation for that: the prompt's messages,
-    then each turn and its results; ids are the row's tokens so far, this turn's last."""
+    """An observation's token ids. A string is ordinary text, appended as it is (no special tokens,
+    whatever it holds). A message or a list of them (a tool's result: {'role': 'tool', 'content':
+    ...}) is what the run's chat template renders for them after the policy's turn (chat.tool_turn):
+    its turn markers are special tokens, the messages' text ordinary (chat.encode_pieces). The
+    episode (a row's record) keeps the conversation for that: the prompt's messages, then each turn
+    and its results; ids are the row's tokens so far, this turn's last."""
     if isinstance(observation, str):
         return enc.encode_ordinary(_utf8(observation))
     results = [observation] if isinstance(observation, dict) else list(observation)
     results = [dict(m, content=_utf8(m['content'])) for m in results]
     if cfg.template is None:
-        raise ConfigError("the environment answers with messages, which need a chat template; give the run one "
-                          "(chat_template=) or make the environment return text")
-    conversation = episode.setdefault('conversation', chat.prompt_messages(row['prompt'], cfg.system_prompt))
+        raise ConfigError("the environment answers with messages, which need a chat template; give "
+                          "the run one (chat_template=) or make the environment return text")
+    conversation = episode.setdefault('conversation',
+                                      chat.prompt_messages(row['prompt'], cfg.system_prompt))
     turn = ids[episode.get('start', 0):]
     end = turn[-1:] if turn and turn[-1] in cfg.eos_ids else []
     own = enc.decode([x for x in turn[:len(turn) - len(end)] if x < enc.n_vocab])
