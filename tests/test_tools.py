@@ -2,9 +2,9 @@
 Tests for lib/tools.py and the tool rendering of lib/chat.py: the calculator against Python's own exact Fraction arithmetic
 (random expressions, and the refusals, during which eval, exec and compile must not be called); the Python sandbox
 (output, crashes, timeouts, memory, output floods, fork bombs, the uid drop, the environment, the network); Qwen-style
-tool calls and their "error: ..." observations; and apply_chat_template(..., tools=...) and chat.tool_turn
-against Qwen2.5-Instruct's own template, rendered with jinja2 into tests/fixtures/qwen_tools/reference.json by
-make_reference.py, and against hand-written strings.
+tool calls and their "error: ..." observations; and apply_chat_template(..., tools=...) and
+chat.tool_turn against Qwen2.5-Instruct's own template, rendered with jinja2 into
+tests/fixtures/qwen_tools/reference.json by make_reference.py, and against hand-written strings.
 """
 import builtins
 import json
@@ -340,34 +340,41 @@ def test_tool_descriptions():
     assert list(TOOLS["python"][1]["function"]["parameters"]["properties"]) == ["code"]
 
 # -----------------------------------------------------------------------------
-# rendering: Qwen2.5-Instruct's own template with tools (apply_chat_template), and the tool turns a multi-turn
-# rollout appends (tool_turn)
+# rendering: Qwen2.5-Instruct's own template with tools (apply_chat_template), and the tool turns
+# a multi-turn rollout appends (tool_turn)
 
 Q25 = load_template(os.path.join(FIXTURE, "qwen2.5_template.jinja"))
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
+def render(messages, tools):
+    return apply_chat_template(Q25, messages, tools=tools, add_generation_prompt=True)
+
+
 def appended(messages, results, tools, end="<|im_end|>"):
-    """The text tool_turn appends after the assistant's turn ending messages[-1], for these tool results."""
-    pieces = tool_turn(Q25, messages[:-1], [{"role": "tool", "content": r} for r in results], end=end, tools=tools)
-    assert [t for t, own in pieces if not own] == results  # the results are the ordinary pieces, as they are
+    """The text tool_turn appends after the assistant's turn ending messages, for these results."""
+    results_ = [{"role": "tool", "content": r} for r in results]
+    pieces = tool_turn(Q25, messages[:-1], results_, end=end, tools=tools)
+    assert [t for t, own in pieces if not own] == results  # the results are the ordinary pieces
     return "".join(t for t, _ in pieces)
 
 
 @pytest.mark.parametrize("case", REF, ids=[c["name"] for c in REF])
 def test_reference(case):
-    """apply_chat_template reproduces the template's text; and every assistant turn ending in tool calls, followed by
-    what tool_turn appends for their results, continues its prefix into the whole conversation."""
+    """apply_chat_template reproduces the template's text; and every assistant turn ending in tool
+    calls, followed by what tool_turn appends for their results, continues its prefix into the
+    whole conversation."""
     messages, tools = case["messages"], case["tools"]
-    assert apply_chat_template(Q25, messages, tools=tools, add_generation_prompt=True) == case["text"]
+    assert render(messages, tools) == case["text"]
     for i, (m, calls) in enumerate(zip(messages, case["tool_calls"])):
         if calls:
             assert parse_tool_call(m["content"]) == tuple(calls[-1])
             results = []
-            while i + 1 + len(results) < len(messages) and messages[i + 1 + len(results)]["role"] == "tool":
+            while i + 1 + len(results) < len(messages) and \
+                    messages[i + 1 + len(results)]["role"] == "tool":
                 results.append(messages[i + 1 + len(results)]["content"])
-            prefix = apply_chat_template(Q25, messages[:i], tools=tools, add_generation_prompt=True) + m["content"]
-            assert case["text"].startswith(prefix + "<|im_end|>" + appended(messages[:i + 1], results, tools))
+            prefix = render(messages[:i], tools) + m["content"] + "<|im_end|>"
+            assert case["text"].startswith(prefix + appended(messages[:i + 1], results, tools))
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Exact arithmetic.", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
@@ -381,16 +388,16 @@ TOOLS_SECTION = ("\n\n# Tools\n\nYou may call one or more functions to assist wi
                  "<args-json-object>}\n</tool_call><|im_end|>\n")
 USER = {"role": "user", "content": "What is 123 * 456?"}
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}\n</tool_call>'
+TURN = ("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
 
 def test_system_tools_and_user():
-    assert apply_chat_template(Q25, [{"role": "system", "content": "Be exact."}, USER], tools=[CALC],
-                               add_generation_prompt=True) == \
-        apply_chat_template(Q25, prompt_messages([USER], "Be exact."), tools=[CALC], add_generation_prompt=True) == (
+    assert render([{"role": "system", "content": "Be exact."}, USER], [CALC]) == \
+        render(prompt_messages([USER], "Be exact."), [CALC]) == (
         "<|im_start|>system\nBe exact." + TOOLS_SECTION +
         "<|im_start|>user\nWhat is 123 * 456?<|im_end|>\n<|im_start|>assistant\n")
     # without a system message, Qwen2.5's own
-    assert apply_chat_template(Q25, prompt_messages("What is 123 * 456?"), tools=[CALC],
-                               add_generation_prompt=True) == (
+    assert render(prompt_messages("What is 123 * 456?"), [CALC]) == (
         "<|im_start|>system\n" + QWEN25_SYSTEM + TOOLS_SECTION +
         "<|im_start|>user\nWhat is 123 * 456?<|im_end|>\n<|im_start|>assistant\n")
 
@@ -399,32 +406,30 @@ def test_tool_call_and_result():
     text = ("<|im_start|>system\n" + QWEN25_SYSTEM + TOOLS_SECTION +
             "<|im_start|>user\nWhat is 123 * 456?<|im_end|>\n<|im_start|>assistant\n" + CALL + "<|im_end|>\n"
             "<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    assert apply_chat_template(Q25, messages, tools=[CALC], add_generation_prompt=True) == text
-    turn = "\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    assert appended(messages[:2], ["56088"], [CALC]) == turn
-    # a turn that ended without the end of turn token (a stop string): the template's close of it comes first
-    assert appended(messages[:2], ["56088"], [CALC], end="") == "<|im_end|>" + turn
-    assert apply_chat_template(Q25, [USER], tools=[CALC], add_generation_prompt=True) + CALL + "<|im_end|>" + \
-        appended(messages[:2], ["56088"], [CALC]) == text
+    assert render(messages, [CALC]) == text
+    assert appended(messages[:2], ["56088"], [CALC]) == TURN
+    # a turn that ended without the end of turn token (a stop string): the template closes it first
+    assert appended(messages[:2], ["56088"], [CALC], end="") == "<|im_end|>" + TURN
+    assert render([USER], [CALC]) + CALL + "<|im_end|>" + appended(messages[:2], ["56088"], [CALC]) == text
 
 def test_two_tool_results_in_one_user_turn():
     two_calls = CALL + "\n" + CALL.replace("123 * 456", "1/3")
     messages = [USER, {"role": "assistant", "content": two_calls}, {"role": "tool", "content": "56088"},
                 {"role": "tool", "content": "1/3"}]
-    turn = ("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response>\n<tool_response>\n1/3\n</tool_response>"
-            "<|im_end|>\n<|im_start|>assistant\n")
+    turn = ("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response>\n<tool_response>\n1/3\n"
+            "</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert appended(messages[:2], ["56088", "1/3"], [CALC]) == turn
-    assert apply_chat_template(Q25, messages, tools=[CALC], add_generation_prompt=True) == \
-        apply_chat_template(Q25, [USER], tools=[CALC], add_generation_prompt=True) + two_calls + "<|im_end|>" + turn
+    assert render(messages, [CALC]) == render([USER], [CALC]) + two_calls + "<|im_end|>" + turn
 
 def test_prefix_property_on_random_conversations():
-    """What a multi-turn rollout relies on: the prompt, then each assistant turn (its raw text and <|im_end|>) and
-    what tool_turn appends for its results, is the rendering of the whole conversation, at every step."""
+    """What a multi-turn rollout relies on: the prompt, then each assistant turn (its raw text and
+    <|im_end|>) and what tool_turn appends for its results, is the rendering of the whole
+    conversation, at every step."""
     rng, tools = random.Random(2), [CALC, TOOLS["python"][1]]
     for _ in range(200):
         system = [{"role": "system", "content": "S"}] if rng.random() < 0.5 else []
         messages = system + [{"role": "user", "content": rng.choice(["Hi", "2+2?", " x \n"])}]
-        text = apply_chat_template(Q25, messages, tools=tools, add_generation_prompt=True)
+        text = render(messages, tools)
         for _ in range(rng.randint(1, 4)):
             calls = rng.randint(1, 3)
             assistant = rng.choice(["", "Let me see.\n"]) + "\n".join([CALL] * calls)
@@ -433,22 +438,24 @@ def test_prefix_property_on_random_conversations():
             messages += [{"role": "assistant", "content": assistant}]
             text += assistant + "<|im_end|>" + appended(messages, results, tools)
             messages += [{"role": "tool", "content": r} for r in results]
-            assert apply_chat_template(Q25, messages, tools=tools, add_generation_prompt=True) == text
+            assert render(messages, tools) == text
 
 def test_without_tools_nothing_changes():
     turns = [USER, {"role": "assistant", "content": "56088"}, {"role": "user", "content": "Thanks"}]
     assert apply_chat_template(Q25, turns, tools=None) == apply_chat_template(Q25, turns)
     assert "# Tools" not in apply_chat_template(Q25, turns)
 
+GEMMA3 = os.path.join(ROOT, "tests", "fixtures", "chat_templates", "gemma3.jinja")
+
 @pytest.mark.parametrize("call, message", [
     (lambda: prompt_messages([USER, {"role": "assistant", "content": CALL}]),
      "the last prompt message is the assistant's: the model answers the last message"),
-    (lambda: prompt_messages([{"role": "tool", "content": 1}]), "prompt message 0 is not a dict with a string 'role' "
-                                                                 "and 'content'"),
+    (lambda: prompt_messages([{"role": "tool", "content": 1}]),
+     "prompt message 0 is not a dict with a string 'role' and 'content'"),
     (lambda: prompt_messages([]), "a prompt is a string or a non-empty list of messages"),
-    (lambda: tool_turn(load_template(os.path.join(ROOT, "tests", "fixtures", "chat_templates", "gemma3.jinja")),
-                       [USER], [{"role": "tool", "content": "1"}]),
-     "gemma3.jinja's chat template refuses the conversation: Conversation roles must alternate user/assistant/"),
+    (lambda: tool_turn(load_template(GEMMA3), [USER], [{"role": "tool", "content": "1"}]),
+     "gemma3.jinja's chat template refuses the conversation: Conversation roles must alternate "
+     "user/assistant/"),
 ])
 def test_bad_tool_chats(call, message):
     with pytest.raises(ValueError, match=re.escape(message)) as e:
