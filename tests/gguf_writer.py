@@ -28,7 +28,8 @@ def _template(name):
         return f.read()
 
 
-QWEN25_TEMPLATE, QWEN3_TEMPLATE, LLAMA3_TEMPLATE = _template("qwen2_5"), _template("qwen3"), _template("llama3_1")
+QWEN25_TEMPLATE, QWEN3_TEMPLATE = _template("qwen2_5"), _template("qwen3")
+LLAMA3_TEMPLATE = _template("llama3_1")
 # Llama-3's pre-tokenizer regex (its tokenizer.json's Split), and its special tokens after the BPE vocabulary
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -136,7 +137,8 @@ QWEN = dict(bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", a
 HUBS = {
     "qwen2.5": dict(tokenizer=lambda: _load(BPE), pre="qwen2", config=dict(QWEN, chat_template=QWEN25_TEMPLATE),
                     ids=dict(bos_token_id=541, eos_token_id=543)),
-    "qwen3": dict(tokenizer=qwen3_tokenizer, pre="qwen2", config=dict(QWEN, chat_template=QWEN3_TEMPLATE),
+    "qwen3": dict(tokenizer=qwen3_tokenizer, pre="qwen2",
+                  config=dict(QWEN, chat_template=QWEN3_TEMPLATE),
                   ids=dict(bos_token_id=541, eos_token_id=543)),
     "llama3": dict(tokenizer=llama3_tokenizer, pre="llama-bpe",
                    config=dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", chat_template=LLAMA3_TEMPLATE),

@@ -31,15 +31,16 @@ from lib.tokenizer import get_tokenizer, load_hf_tokenizer  # noqa: E402
 with open(os.path.join(FIXTURES, "tiny-bpe-a", "reference.json"), encoding="utf-8") as f:
     CASES = json.load(f)["cases"]
 QWEN2_REGEX = gguf_file.QWEN2_REGEX
-# (the model, its quantization, the stop ids of its chat template (the file's own), the run's extra flags) for each
-# family's file
+# (the model, its quantization, the stop ids of its chat template (the file's own), the run's
+# extra flags) for each family's file
 FAMILIES = {
     "qwen2.5": (lambda: GPT.from_pretrained(os.path.join(FIXTURES, "tiny-qwen2-a"), dtype=torch.float32), "F32",
                 [543, 541], ["--block_size=32"]),  # tiny-qwen2-a's 640 rows for 544 tokens
     "qwen3": (lambda: tiny_model("qwen3", vocab_size=576), "Q8_0", [543, 541],
-              ["--block_size=40", "--chat_template_kwargs={'enable_thinking': False}"]),  # an empty <think> first
-    "llama3": (lambda: tiny_model("llama", n_embd=256, n_inner=512, vocab_size=552), "Q4_K", [550, 542],
-               ["--block_size=96"]),  # Llama-3.1's system header is long in a 541-token BPE
+              # each answer opens with an empty <think> block
+              ["--block_size=40", "--chat_template_kwargs={'enable_thinking': False}"]),
+    "llama3": (lambda: tiny_model("llama", n_embd=256, n_inner=512, vocab_size=552), "Q4_K",
+               [550, 542], ["--block_size=96"]),  # Llama-3.1's system header is long here
 }
 # texts with what each family adds: its added tokens, the padding's text, digits (Llama-3 groups them in threes)
 EXTRA = ["<think>\nok</think> <tool_call>{}</tool_call>", "[PAD600] [PAD549]x [PAD2]", "<|fim_prefix|>def f():",
@@ -132,16 +133,17 @@ def test_padded_qwen_embedding_keeps_its_rows(written):
 
 
 def test_trains_two_iterations_from_the_file(family, tmp_path):
-    """train.py with init_from= the file, whose chat template renders the prompts (the default, 'auto'): two
-    iterations, and a checkpoint whose weights keep every row and whose tokenizer (the file's, as Hugging Face
-    files) tokenizes as the file's."""
+    """train.py with init_from= the file, whose chat template renders the prompts (the default,
+    'auto'): two iterations, and a checkpoint whose weights keep every row and whose tokenizer (the
+    file's, as Hugging Face files) tokenizes as the file's."""
     hub, path, _ = family
     out = tmp_path / "out"
-    run(["config/dr_grpo.py", "--max_iters=2", f"--init_from={path}", "--system_prompt='Add.'", *FAMILIES[hub][3]],
-        out)
+    run(["config/dr_grpo.py", "--max_iters=2", f"--init_from={path}", "--system_prompt='Add.'",
+         *FAMILIES[hub][3]], out)
     assert [m["iter"] for m in metrics(out) if "reward" in m] == [0, 1]
     ckpt = os.path.join(out, json.load(open(out / "latest")))
-    assert json.load(open(os.path.join(ckpt, "trainer.json")))["config"]["chat_template"] == path  # 'auto', saved
+    saved = json.load(open(os.path.join(ckpt, "trainer.json")))["config"]
+    assert saved["chat_template"] == path  # 'auto', resolved and saved
     assert GPT.from_pretrained(ckpt).config.vocab_size == GPT.from_pretrained(path).config.vocab_size
     text = EXTRA[0] + EXTRA[3]
     assert load_hf_tokenizer(ckpt).encode(text, allowed_special="all") == \

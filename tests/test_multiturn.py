@@ -162,8 +162,8 @@ def test_episodes_end_at_max_turns_and_count_the_policys_tokens_only():
     from rollout import score
     from lib.tokenizer import get_tokenizer
     enc = get_tokenizer('bytes')
-    cfg = SimpleNamespace(max_turns=2, template=None, eos_ids=[enc.eot_token], max_completion_length=12,
-                          num_generations=1)
+    cfg = SimpleNamespace(max_turns=2, template=None, eos_ids=[enc.eot_token],
+                          max_completion_length=12, num_generations=1)
     seen = []
     env = SimpleNamespace(step=lambda row, text: seen.append(text) or '[ok]')
     turns, record, _ = episodes(env, [{"prompt": "p", "answer": "a"}], 1, cfg, enc)
@@ -191,15 +191,16 @@ def test_qwen_tools_answers_a_call_in_a_tool_turn():
     assert isinstance(env, QwenTools)
     call = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "512*347"}}\n</tool_call>'
     assert env.step({}, call) == {'role': 'tool', 'content': '177664'}
-    assert env.step({}, '<tool_call>\n{"name": "calculator"}\n</tool_call>')['content'].count('error: ') == 1
+    bad = env.step({}, '<tool_call>\n{"name": "calculator"}\n</tool_call>')
+    assert bad['content'].count('error: ') == 1
     assert env.step({}, 'The answer is 177664.') is None
 
 
 def test_tool_turns_under_a_chat_template_extend_the_sampled_tokens():
-    """A QwenTools episode under Qwen2.5's own template: the prompt's tokens, each turn the policy sampled with its
-    <|im_end|>, and the observations between them are, token for token, the whole conversation as the template
-    renders it (the tools in the system message) and the tokenizer encodes it; the record keeps the tools' own
-    text."""
+    """A QwenTools episode under Qwen2.5's own template: the prompt's tokens, each turn the policy
+    sampled with its <|im_end|>, and the observations between them are, token for token, the whole
+    conversation as the template renders it (the tools in the system message) and the tokenizer
+    encodes it; the record keeps the tools' own text."""
     from types import SimpleNamespace
     from lib.chat import apply_chat_template, encode_prompt, load_template
     from lib.envs import get_env
@@ -210,13 +211,15 @@ def test_tool_turns_under_a_chat_template_extend_the_sampled_tokens():
     env = get_env('qwen_tools')
     env.tools = {'calculator': env.tools['calculator']}
     results = iter(['177664', 'error: 1/0 < 1'])
-    env.step = lambda row, text: {'role': 'tool', 'content': next(results)} if text.endswith('</tool_call>') else None
-    cfg = SimpleNamespace(max_turns=4, eos_ids=[543, 541], system_prompt=None, chat_template_kwargs={},
-                          environment=env, template=load_template(os.path.join(root, 'qwen_tools',
-                                                                               'qwen2.5_template.jinja')))
+    env.step = lambda row, text: ({'role': 'tool', 'content': next(results)}
+                                  if text.endswith('</tool_call>') else None)
+    template = load_template(os.path.join(root, 'qwen_tools', 'qwen2.5_template.jinja'))
+    cfg = SimpleNamespace(max_turns=4, eos_ids=[543, 541], system_prompt=None,
+                          chat_template_kwargs={}, environment=env, template=template)
     row = {'prompt': 'What is 512*347?', 'answer': '177664'}
     turns, record, _ = episodes(env, [row], 1, cfg, enc)
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "512*347"}}\n</tool_call>'
+    call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "512*347"}}\n'
+            '</tool_call>')
     ids, said = [], []
     for turn in (call, 'Again.\n' + call):
         ids += enc.encode_ordinary(turn) + [543]
@@ -225,7 +228,8 @@ def test_tool_turns_under_a_chat_template_extend_the_sampled_tokens():
     said += [{'role': 'tool', 'content': '177664'}]
     messages = [{'role': 'user', 'content': row['prompt']}, said[0], said[2], said[1],
                 {'role': 'tool', 'content': 'error: 1/0 < 1'}]
-    text = apply_chat_template(cfg.template, messages, tools=[env.tools['calculator'][1]], add_generation_prompt=True)
+    text = apply_chat_template(template, messages, tools=[env.tools['calculator'][1]],
+                               add_generation_prompt=True)
     assert encode_prompt(row['prompt'], cfg, enc) + ids == enc.encode(text, allowed_special='all')
     assert record[0]['observations'] == ['177664', 'error: 1/0 < 1']
 

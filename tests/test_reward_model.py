@@ -46,13 +46,14 @@ def test_the_conversation_is_rendered_and_tokenized_as_transformers_does(family)
 
 
 def test_a_template_in_chat_template_jinja_is_read(tmp_path):
-    """transformers 5 writes the template as chat_template.jinja beside tokenizer_config.json: the same text."""
+    """transformers 5 writes the template as chat_template.jinja beside tokenizer_config.json."""
     ref, path = reference('qwen2'), shutil.copytree(os.path.join(RM, 'qwen2'), tmp_path / 'rm')
     config = json.load(open(path / 'tokenizer_config.json'))
     (path / 'chat_template.jinja').write_text(config.pop('chat_template'), encoding='utf-8')
     json.dump(config, open(path / 'tokenizer_config.json', 'w'))
     c = ref['conversations'][1]
-    assert render_answered(checkpoint_template(str(path)), c['prompt'], c['completion']) == ref['texts'][1]
+    template = checkpoint_template(str(path))
+    assert render_answered(template, c['prompt'], c['completion']) == ref['texts'][1]
 
 
 @pytest.mark.parametrize('family', FAMILIES)
@@ -179,10 +180,12 @@ def edited_rm(tmp_path, config=None, drop=(), tokenizer=None):
     ('labels', "has num_labels 2; a reward model has one output"),
     ('no head', "has no score layer of one output, 'score.weight' of shape (1, 64) alone (its score tensors: none)"),
     ('tokenizer', "n_vocab 601; pick the tokenizer the model was trained with"),
-    ('template', "has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json's "
-                 "chat_template); a reward model or judge reads its own: put the one it was trained with there"),
-    ('template tokens', "chat template writes the special tokens ['<|begin_of_text|>', '<|end_header_id|>', "
-                        "'<|eot_id|>', '<|start_header_id|>'], which tokenizer"),
+    ('template', "has no chat template (chat_template.jinja, chat_template.json or "
+                 "tokenizer_config.json's chat_template); a reward model or judge reads its own: "
+                 "put the one it was trained with there"),
+    ('template tokens', "chat template writes the special tokens ['<|begin_of_text|>', "
+                        "'<|end_header_id|>', '<|eot_id|>', '<|start_header_id|>'], which "
+                        "tokenizer"),
     ('missing', "not found; give a Hugging Face directory"),
     ('judge prompt', "judge_prompt must hold {prompt} and {completion}"),
     ('judge tokens', "judge_tokens=('Yes', 'No'): give two or more strings that are one token each"),

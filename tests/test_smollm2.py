@@ -78,26 +78,30 @@ def test_transformers_gguf_tokenizer_differs_only_where_it_drops_the_digits_step
 
 @pytest.mark.parametrize("i", range(len(REF["chats"])))
 def test_chat_rendering_matches_smollm2s_template(i):
-    """SmolLM2's own template (the GGUF's, as tests/fixtures/chat_templates keeps it) rendered here as transformers
-    renders it (apply_chat_template): the default system message only when the conversation has none."""
+    """SmolLM2's own template (the GGUF's, as tests/fixtures/chat_templates keeps it) rendered here
+    as transformers renders it (apply_chat_template): the default system message only when the
+    conversation has none."""
     chat = REF["chats"][i]
     template = load_template(os.path.join(FIXTURE, "..", "chat_templates", "smollm2.jinja"))
-    assert apply_chat_template(template, chat["messages"], add_generation_prompt=True) == chat["text"]
+    text = apply_chat_template(template, chat["messages"], add_generation_prompt=True)
+    assert text == chat["text"]
 
 
 @needs_wheel
 def test_the_recipe_s_prompts_are_those_it_had():
-    """config/smollm2.py names no template and no system prompt: 'auto' renders with the GGUF's own template, which
-    gives every prompt of its task, token for token, what the hand-written 'chatml' renderer with SmolLM2's system
-    message gave before it (issue 45), so its runs keep their numbers."""
-    cfg = SimpleNamespace(template=run_template(dict(chat_template="auto", chat_date="", init_from=GGUF,
-                                                     tokenizer=GGUF)),
-                          system_prompt=None, chat_template_kwargs={}, environment=None)
-    enc, system = get_tokenizer(GGUF), "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    """config/smollm2.py names no template and no system prompt: 'auto' renders with the GGUF's own
+    template, which gives every prompt of its task, token for token, what the hand-written 'chatml'
+    renderer with SmolLM2's system message gave before it (issue 45): its runs keep their
+    numbers."""
+    config = dict(chat_template="auto", chat_date="", init_from=GGUF, tokenizer=GGUF)
+    cfg = SimpleNamespace(template=run_template(config), system_prompt=None,
+                          chat_template_kwargs={}, environment=None)
+    enc = get_tokenizer(GGUF)
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     rows = load_dataset("times_table", "train") + load_dataset("times_table", "test")
     for row in rows:
-        before = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{row['prompt']}<|im_end|>\n"
-                  f"<|im_start|>assistant\n")
+        before = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{row['prompt']}"
+                  f"<|im_end|>\n<|im_start|>assistant\n")
         assert encode_prompt(row["prompt"], cfg, enc) == enc.encode(before, allowed_special="all")
     assert len(rows) == 484
 

@@ -2,7 +2,8 @@
 Tests for lib/tokenizer.py against tests/fixtures/tiny-bpe-a (a Qwen2.5-layout byte-level BPE tokenizer.json and the
 ids Hugging Face tokenizers gives for 38 texts): the loaded tiktoken Encoding reproduces them exactly, with special
 tokens allowed and as plain text, and decodes them back; every tokenizer.json that tiktoken could not reproduce is
-refused with one line naming the file; non-special added tokens, the older GPT-2 file layout, and eos_ids. (The chat templates: test_chat_templates.py.)
+refused with one line naming the file; non-special added tokens, the older GPT-2 file layout, and
+eos_ids. (The chat templates: test_chat_templates.py.)
 """
 import json
 import os

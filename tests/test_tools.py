@@ -410,7 +410,7 @@ def test_tool_call_and_result():
     assert appended(messages[:2], ["56088"], [CALC]) == TURN
     # a turn that ended without the end of turn token (a stop string): the template closes it first
     assert appended(messages[:2], ["56088"], [CALC], end="") == "<|im_end|>" + TURN
-    assert render([USER], [CALC]) + CALL + "<|im_end|>" + appended(messages[:2], ["56088"], [CALC]) == text
+    assert render([USER], [CALC]) + CALL + "<|im_end|>" + TURN == text
 
 def test_two_tool_results_in_one_user_turn():
     two_calls = CALL + "\n" + CALL.replace("123 * 456", "1/3")
