@@ -298,3 +298,30 @@ def test_an_observation_is_read_in_one_forward_not_a_step_a_token(tiny64, monkey
     rows = [p for p in PROMPTS for _ in range(3)]
     ref = trajectory_logprobs(tiny64, rows, tokens, 0.9)
     torch.testing.assert_close(logps[mask].double(), ref[mask].double(), atol=1e-6, rtol=0)
+
+
+def test_a_warm_start_demonstration_under_a_chat_template():
+    """sft.target with a tool message between the demonstration's turns: the template's own text
+    (its close of the turn, the result's turn, the next header) is the observation, masked; the
+    whole is the answered conversation as the template renders it."""
+    from types import SimpleNamespace
+    import sft
+    from lib.chat import apply_chat_template, encode_prompt, load_template
+    from lib.tokenizer import get_tokenizer
+    root = os.path.join(os.path.dirname(__file__), 'fixtures')
+    enc = get_tokenizer(os.path.join(root, 'tiny-bpe-a'))
+    env = SimpleNamespace(step=lambda row, text: {'role': 'tool', 'content': '177664'})
+    template = load_template(os.path.join(root, 'qwen_tools', 'qwen2.5_template.jinja'))
+    cfg = SimpleNamespace(environment=env, template=template, eos_ids=[543, 541], system_prompt=None,
+                          chat_template_kwargs={})
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "512*347"}}\n</tool_call>'
+    row = {'prompt': 'What is 512*347?', 'answer': '177664', 'demonstration': [call, 'It is 177664.']}
+    ids, own = sft.target(row, cfg, enc)
+    messages = [{'role': 'user', 'content': row['prompt']}, {'role': 'assistant', 'content': call},
+                {'role': 'tool', 'content': '177664'},
+                {'role': 'assistant', 'content': 'It is 177664.'}]
+    assert enc.decode(encode_prompt(row['prompt'], cfg, enc) + ids) + '\n' == \
+        apply_chat_template(template, messages)
+    seen = [i for i, o in zip(ids, own) if not o]
+    assert enc.decode(seen).startswith('<|im_end|>\n<|im_start|>user\n<tool_response>\n177664')
+    assert own[-1] == 1 and ids[-1] == 543  # the answer's own end of turn is the policy's
