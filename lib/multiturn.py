@@ -13,7 +13,6 @@ import torch
 
 from lib import chat
 from lib.chat import text_of
-from lib.errors import ConfigError
 
 
 def environment(name, sandbox, cfg):
@@ -121,18 +120,16 @@ def _utf8(text):
 
 def encode_observation(observation, cfg, enc, *, episode, ids, row):
     """An observation's token ids. A string is ordinary text, appended as it is (no special tokens,
-    whatever it holds). A message or a list of them (a tool's result: {'role': 'tool', 'content':
-    ...}) is what the run's chat template renders for them after the policy's turn (chat.tool_turn):
-    its turn markers are special tokens, the messages' text ordinary (chat.encode_pieces). The
-    episode (a row's record) keeps the conversation for that: the prompt's messages, then each turn
-    and its results; ids are the row's tokens so far, this turn's last."""
-    if isinstance(observation, str):
-        return enc.encode_ordinary(_utf8(observation))
+    whatever it holds), as are the messages' contents in a run without a chat template. A message
+    or a list of them (a tool's result: {'role': 'tool', 'content': ...}) is what the run's chat
+    template renders for them after the policy's turn (chat.tool_turn): its turn markers are special
+    tokens, the messages' text ordinary (chat.encode_pieces). The episode (a row's record) keeps the
+    conversation for that: the prompt's messages, then each turn and its results; ids are the row's
+    tokens so far, this turn's last."""
+    if isinstance(observation, str) or cfg.template is None:
+        return enc.encode_ordinary(_utf8(content(observation)))
     results = [observation] if isinstance(observation, dict) else list(observation)
     results = [dict(m, content=_utf8(m['content'])) for m in results]
-    if cfg.template is None:
-        raise ConfigError("the environment answers with messages, which need a chat template; give "
-                          "the run one (chat_template=) or make the environment return text")
     conversation = episode.setdefault('conversation',
                                       chat.prompt_messages(row['prompt'], cfg.system_prompt))
     turn = ids[episode.get('start', 0):]

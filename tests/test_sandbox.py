@@ -201,7 +201,8 @@ def test_fuzzed_tool_calls_never_raise_and_stay_bounded():
     for i in range(3000):
         text = hostile_call(rng)
         observation = env.step({}, text)
-        assert observation is None or isinstance(observation, str) and len(observation) < 2200, text[:200]
+        assert observation is None or observation["role"] == "tool" and \
+            isinstance(observation["content"], str) and len(observation["content"]) < 2200, text[:200]
         value = calculator(junk(rng))
         assert isinstance(value, str) and len(value) < 1100
         assert isinstance(call_tool(text, TOOLS), str)
