@@ -43,7 +43,7 @@ def _unknown(key, known):
 
 def _coerce(key, value, default):
     """Return value converted to the type of default, or raise naming the key and both types."""
-    if default is None or value is None:  # optional knobs (top_k, delta, enable_thinking...): None or a value
+    if default is None or value is None:  # optional knobs (top_k, delta, ...): None or a value
         ok = value is None or isinstance(value, (int, float, str, bool))
     elif isinstance(default, bool):
         ok = isinstance(value, bool)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from model import GPT, GPTConfig
 from rollout import micro_batches, pack
 from lib import hf
-from lib.chat import render_answered, render_chat, template_of
+from lib.chat import apply_chat_template, check_template, checkpoint_template, render_answered
 from lib.errors import ConfigError
 from lib.tokenizer import get_tokenizer
 
@@ -119,8 +119,10 @@ def reward_fn(name, cfg):
         model, head, pad = load_classifier(path, dtype)
     else:
         model = GPT.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
-    template, system = template_of(path)  # its own chat template, whatever the policy's
+    # its own template, whatever the policy's
+    template = checkpoint_template(path, getattr(cfg, 'chat_date', None))
     enc = get_tokenizer(path)
+    check_template(template, enc, path)
     if kind == 'judge':
         tokens = [_ids(enc, t) for t in cfg.judge_tokens]
         if len(tokens) < 2 or any(len(t) != 1 for t in tokens):
@@ -137,12 +139,15 @@ def reward_fn(name, cfg):
 
     def score(prompts, completions, **columns):
         if kind == 'rm':
-            rows = [_ids(enc, render_answered(p, c, template, system)) for p, c in zip(prompts, completions)]
+            rows = [_ids(enc, render_answered(template, p, c))
+                    for p, c in zip(prompts, completions)]
             s = classifier_scores(model, head, pad, rows, list(map(str, prompts)), cfg)
             s = s.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else s
         else:
             asked = [_ask(cfg.judge_prompt, p, c) for p, c in zip(prompts, completions)]
-            rows = [_ids(enc, render_chat(q, template, system)) for q in asked]
+            asked = [[dict(role='user', content=q)] for q in asked]
+            rows = [_ids(enc, apply_chat_template(template, q, add_generation_prompt=True))
+                    for q in asked]
             # P(token) / P(any of the tokens): the softmax over the judge tokens' logits alone, in float32
             h = last_hidden(model, rows, list(map(str, prompts)), cfg).float()  # (n, n_embd)
             p = (h @ model.lm_head.weight[ids].float().t()).softmax(-1)  # (n, len(judge_tokens))

@@ -20,9 +20,10 @@ from lib.measure import ticker
 from lib.parallelism import all_sum, full_state_dict, gathered
 
 # the settings the cached weights depend on
-KEYS = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt', 'enable_thinking',
-        'vocab_size', 'n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'sft_iters', 'sft_batch_size',
-        'sft_learning_rate', 'sft_target_acc', 'sft_check_interval', 'seed', 'env')
+KEYS = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'system_prompt',
+        'chat_template_kwargs', 'chat_date', 'vocab_size', 'n_layer', 'n_head', 'n_embd',
+        'block_size', 'bias', 'sft_iters', 'sft_batch_size', 'sft_learning_rate', 'sft_target_acc',
+        'sft_check_interval', 'seed', 'env')
 
 
 def target(row, cfg, enc):
@@ -30,12 +31,14 @@ def target(row, cfg, enc):
     end of text; with an environment and a row that has a demonstration, the demonstration's turns instead, with
     the environment's own observations between them, as a multi-turn rollout would have them."""
     turns = row.get('demonstration') if cfg.environment is not None else None
-    ids, own, text = [], [], ''
+    ids, own, text, episode = [], [], '', {}
     for k, turn in enumerate(turns or [row['answer']]):
         if k:  # what the environment answers to the turns so far
             observation = cfg.environment.step(row, text)
-            seen = multiturn.encode_observation(observation, enc)
-            ids, own, text = ids + seen, own + [0] * len(seen), text + multiturn.observation_text(observation)
+            seen = multiturn.encode_observation(observation, cfg, enc, episode=episode, ids=ids,
+                                                row=row)
+            shown = observation if isinstance(observation, str) else enc.decode(seen)
+            ids, own, text = ids + seen, own + [0] * len(seen), text + shown
         mine = enc.encode_ordinary(turn)
         ids, own, text = ids + mine, own + [1] * len(mine), text + turn
     return ids + [cfg.eos_ids[0]], own + [1]

@@ -24,8 +24,7 @@ from loss import grpo_loss, settings as loss_settings
 from model import GPT, GPTConfig
 from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
 import sft
-from lib import checkpoint, lora, multiturn, parallelism
-from lib.chat import stop_ids
+from lib import chat, checkpoint, lora, multiturn, parallelism
 from lib.errors import need_package
 from lib.measure import fastest_dtype, iteration_line, iteration_metrics, log, matmul_peak, memory_mb, phase
 from lib.parallelism import all_sum, full, gathered
@@ -46,9 +45,9 @@ task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "a
 task_options = {}  # a built-in task's options (see data.py); {} = its defaults (addition: 2 digits)
 test_task = ''  # held-out data: '' = the task's own test split
 tokenizer = ''  # 'bytes', 'gpt2' (tiktoken's), a tokenizer.json or its directory, a .gguf; '' = init_from's or 'bytes'
-chat_template = 'none'  # 'none' (the prompt as it is), 'chatml' (Qwen2/2.5/3) or 'llama3' (see lib/tokenizer.py)
-system_prompt = None  # a system message for prompts without one (chat.QWEN25_SYSTEM is Qwen2.5's default)
-enable_thinking = None  # Qwen3's switch: False opens each answer with an empty <think> block
+chat_template = 'auto'  # init_from's; 'none' (raw prompts), a checkpoint, a .jinja file, Jinja text
+system_prompt, chat_template_kwargs = None, {}  # a default system message; template keywords
+chat_date = ''  # the day strftime_now writes (YYYY-MM-DD); '' = the run's first, kept on resume
 reward_funcs, reward_weights = (), ()  # reward function names from reward.py and their weights; () = the task's, 1s
 # rewards from models (reward_model.py), named 'rm:DIR' (a reward model) or 'judge:PATH' (an LLM judge) in reward_funcs
 reward_model_dtype = 'float32'  # their weights' dtype: 'float32', 'bfloat16' or 'float64'
@@ -141,20 +140,22 @@ sft_iters = config['sft_iters'] = sft.default_iters(init_from) if sft_iters is N
 check_config(config, world_size, distributed)  # and the loss's settings, and the sampler's
 state = checkpoint.load_state(out_dir, parallel, world_size) if init_from == 'resume' else None
 tokenizer = config['tokenizer'] = tokenizer or checkpoint.default_tokenizer(init_from, state)
+template = chat.run_template(config, state)  # 'auto' resolved, the date fixed: saved in config.json
 if dtype == 'auto':  # rank 0 measures, so that every rank computes in the same dtype
     dtype = config['dtype'] = parallelism.from_rank0(fastest_dtype(device) if master else None)
 autocast = dtype in ('bfloat16', 'float16')
-cfg = SimpleNamespace(**dict(config, device=device), world_size=world_size, autocast=autocast,
-                      ptdtype=getattr(torch, dtype), on_policy=num_iterations == 1 and steps_per_generation == 1)
+cfg = SimpleNamespace(**dict(config, device=device, template=template), world_size=world_size,
+                      autocast=autocast, ptdtype=getattr(torch, dtype),
+                      on_policy=num_iterations == 1 and steps_per_generation == 1)
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 loss_config = {k: config[k] for k in (*loss_settings(), 'max_completion_length')}  # grpo_loss's, by name
 loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL is in the reward instead
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
-cfg.eos_ids = stop_ids(enc, chat_template, tokenizer)  # and the template's special tokens checked
+cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer)  # the turn's end first; tokens checked
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
-cfg.environment = multiturn.environment(env, sandbox) if env else None
+cfg.environment = multiturn.environment(env, sandbox, cfg) if env else None
 wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # optional: only when asked for
 train_rows, test_rows, reward_fns, reward_weights = load_task(cfg, enc)
 

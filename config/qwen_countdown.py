@@ -4,14 +4,11 @@
 # says how to download the model; the task is generated here). A 24 GB GPU: add
 # --init_from=models/Qwen2.5-0.5B-Instruct --micro_batch_size=4
 # $ python train.py config/qwen_countdown.py
-from lib.chat import QWEN25_SYSTEM as _system  # the system message Qwen2.5's own chat template inserts
 
 out_dir = 'out-qwen_countdown'
 init_from = 'models/Qwen2.5-3B-Instruct'
 task = 'countdown'
 task_options = {'count': (3, 4)}  # 3 or 4 numbers in 1..99, targets in 1..100
-chat_template = 'chatml'
-system_prompt = _system
 block_size = 1280
 max_completion_length = 1024
 loss_type = 'dr_grpo'

@@ -2,13 +2,10 @@
 # Download the model and the data first (README.md, "Real models"), then:
 # $ python train.py config/qwen_gsm8k.py
 # Qwen2.5-1.5B-Instruct: add --init_from=models/Qwen2.5-1.5B-Instruct --out_dir=out-qwen1.5b_gsm8k
-from lib.chat import QWEN25_SYSTEM as _system  # the system message Qwen2.5's own chat template inserts
 
 out_dir = 'out-qwen_gsm8k'
-init_from = 'models/Qwen2.5-0.5B-Instruct'  # its tokenizer.json and generation_config.json are used too
+init_from = 'models/Qwen2.5-0.5B-Instruct'  # its tokenizer, chat template, generation_config too
 task = 'data/gsm8k/{split}.jsonl'  # the question + "put your final answer within \boxed{}"; reward: the number
-chat_template = 'chatml'
-system_prompt = _system
 block_size = 1024  # template + question stay under ~300 tokens
 max_completion_length = 512
 loss_type = 'dr_grpo'

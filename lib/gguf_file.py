@@ -186,6 +186,16 @@ def chat_template(path):
     """The chat template (Jinja text) the file carries, or None."""
     return _metadata(path, "tokenizer.chat_template")
 
+def special_tokens(path):
+    """{bos_token, eos_token, pad_token, unk_token: their strings} for the file's token ids that
+    name them, as a chat template reads them."""
+    tokens = _need(path, "tokenizer.ggml.tokens")
+    ids = {name: _metadata(path, f"tokenizer.ggml.{key}_token_id")
+           for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"),
+                             ("unk_token", "unknown"))}
+    return {name: tokens[i] for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
+
+
 def _vocab(path, model):
     """tokenizer.ggml.tokens and token_type, checked: one type for each token, and each type one
     that a vocabulary of tokenizer.ggml.model `model` has (VOCAB_TYPES)."""
@@ -298,15 +308,13 @@ def write_hf_tokenizer(path, folder):
     """The GGUF's tokenizer as Hugging Face files in folder: tokenizer.json, tokenizer_config.json (the chat
     template and the special tokens' names) and generation_config.json (the eos ids). Each written atomically."""
     tok = tokenizer_json(path)
-    tokens = _need(path, "tokenizer.ggml.tokens")
-    def name(key):
-        i = _metadata(path, f"tokenizer.ggml.{key}_token_id")
-        return None if i is None else tokens[i]
+    names = special_tokens(path)
     # the architecture unchecked: Gemma's tokenizer is read, though not its model yet
     arch = _need(path, "general.architecture")
-    add_bos = bool(_metadata(path, "tokenizer.ggml.add_bos_token", False))
-    config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=name("bos"), eos_token=name("eos"),
-                  pad_token=name("padding"), unk_token=name("unknown"), add_bos_token=add_bos,
+    config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=names.get("bos_token"),
+                  eos_token=names.get("eos_token"), pad_token=names.get("pad_token"),
+                  unk_token=names.get("unk_token"),
+                  add_bos_token=bool(_metadata(path, "tokenizer.ggml.add_bos_token", False)),
                   chat_template=_metadata(path, "tokenizer.chat_template"),
                   model_max_length=_need(path, f"{arch}.context_length"))
     generation = dict(bos_token_id=_metadata(path, "tokenizer.ggml.bos_token_id"), eos_token_id=eos_ids(path))

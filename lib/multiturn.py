@@ -11,13 +11,27 @@ from contextlib import contextmanager
 
 import torch
 
+from lib import chat
 from lib.chat import text_of
 
 
-def environment(name, sandbox):
-    """The run's environment (lib/envs.py's get_env), imported only now: see the module's docstring."""
+def environment(name, sandbox, cfg):
+    """The run's environment (lib/envs.py's get_env), imported only now: see the module's
+    docstring. With a chat template, the tool turn it renders is checked now (chat.tool_turn), and
+    where the template rewrites earlier turns a line says what the run does about it."""
     from lib.envs import get_env
-    return get_env(name, sandbox)
+    env = get_env(name, sandbox)
+    tools = chat.tools_of(env)
+    if cfg.template is not None and tools:
+        user = dict(role='user', content='2+2?')
+        chat.tool_turn(cfg.template, [user], [dict(role='tool', content='4')], tools=tools,
+                       **cfg.chat_template_kwargs)
+    if cfg.template is not None and chat.rewrites_history(cfg.template, **cfg.chat_template_kwargs):
+        print(f"note: {cfg.template.where}'s chat template renders a past turn differently once a "
+              f"turn follows (Qwen3 drops its reasoning); this run keeps the tokens each turn "
+              f"sampled and appends only what the template renders for what follows: a trajectory "
+              f"is what the policy saw, not a re-rendering")
+    return env
 
 
 def stop_ids(env, enc):
@@ -65,8 +79,9 @@ def episodes(env, rows, G, cfg, enc):
         if observation is None:
             record[i]['finished'] = True
             return None
-        seen.append(observation_text(observation))
-        return encode_observation(observation, enc)
+        seen.append(content(observation))
+        return encode_observation(observation, cfg, enc, episode=record[i], ids=ids,
+                                  row=rows[i // G])
     return turns, record, cfg.eos_ids + stop_ids(env, enc)
 
 
@@ -89,23 +104,43 @@ def metrics(info, gather):
             'env/error_share': errors.sum().item() / max(calls.sum().item(), 1.0)}
 
 
-def observation_text(observation):
-    """An observation as text, as the environment and the reward functions read it: a str, or a list's items joined
-    (encode_observation)."""
-    return observation if isinstance(observation, str) else ''.join(observation)
+def content(observation):
+    """An observation's own text: a string's, or its messages' contents (what counts() and the
+    rewards read)."""
+    if isinstance(observation, str):
+        return observation
+    messages = [observation] if isinstance(observation, dict) else observation
+    return '\n'.join(m['content'] for m in messages)
 
 
-def encode_observation(observation, enc):
-    """An observation's token ids. What an environment or its tools printed is ordinary text, never a special token:
-    a tool that prints '<|im_end|>' cannot end the turn or forge one. A str is all such text; a list alternates the
-    chat template's own markup (its even items, whose special tokens are theirs) and what was printed (its odd
-    items). A lone surrogate (a tool can echo one from the model's JSON) becomes '?': the tokenizer takes UTF-8 only."""
-    markup = not isinstance(observation, str)
-    ids = []
-    for i, part in enumerate(observation if markup else [observation]):
-        part = part.encode('utf-8', errors='replace').decode('utf-8')
-        ids += enc.encode(part, allowed_special='all') if markup and i % 2 == 0 else enc.encode_ordinary(part)
-    return ids
+def _utf8(text):
+    # a lone surrogate (a tool can echo one from the model's JSON) becomes '?': UTF-8 only
+    return text.encode('utf-8', errors='replace').decode('utf-8')
+
+
+def encode_observation(observation, cfg, enc, *, episode, ids, row):
+    """An observation's token ids. A string is ordinary text, appended as it is (no special tokens,
+    whatever it holds), as are the messages' contents in a run without a chat template. A message
+    or a list of them (a tool's result: {'role': 'tool', 'content': ...}) is what the run's chat
+    template renders for them after the policy's turn (chat.tool_turn): its turn markers are special
+    tokens, the messages' text ordinary (chat.encode_pieces). The episode (a row's record) keeps the
+    conversation for that: the prompt's messages, then each turn and its results; ids are the row's
+    tokens so far, this turn's last."""
+    if isinstance(observation, str) or cfg.template is None:
+        return enc.encode_ordinary(_utf8(content(observation)))
+    results = [observation] if isinstance(observation, dict) else list(observation)
+    results = [dict(m, content=_utf8(m['content'])) for m in results]
+    conversation = episode.setdefault('conversation',
+                                      chat.prompt_messages(row['prompt'], cfg.system_prompt))
+    turn = ids[episode.get('start', 0):]
+    end = turn[-1:] if turn and turn[-1] in cfg.eos_ids else []
+    own = enc.decode([x for x in turn[:len(turn) - len(end)] if x < enc.n_vocab])
+    pieces = chat.tool_turn(cfg.template, conversation, results, end=enc.decode(end),
+                            tools=chat.tools_of(cfg.environment), **cfg.chat_template_kwargs)
+    new = chat.encode_pieces(pieces, enc)
+    conversation += [dict(role='assistant', content=own), *results]
+    episode['start'] = len(ids) + len(new)
+    return new
 
 
 @contextmanager

@@ -180,8 +180,8 @@ def _tool(function, name, about, parameter, parameter_about):
 
 
 def tool_set(sandbox="bwrap"):
-    """The built-in tools, for call_tool, the python tool running in `sandbox`; their descriptions go to
-    render_chat(..., tools=...) and promise only what that sandbox gives."""
+    """The built-in tools, for call_tool, the python tool running in `sandbox`; their descriptions
+    go to the chat template's `tools` (chat.tools_of) and promise only what that sandbox gives."""
     fenced = "no network, nothing kept between calls, " if sandbox == "bwrap" else ""
     return {"calculator": _tool(calculator, "calculator", "Evaluate an arithmetic expression exactly: numbers, + - * / "
                                 "// % ** and parentheses. The result is an integer, a decimal or a reduced fraction "

@@ -14,8 +14,9 @@ $ python -m scripts.bench --soak                           # 200 iterations of t
 Sections: the machine's matmul peak (every MFU is against it), sampling (KV cache vs naive full recompute, and a
 batch where half the rows end early), the log-prob pass (chunked, also with each token's entropy, vs a plain full
 log-softmax), one training step (forward, GRPO loss, backward, clip, AdamW), a reward model's scoring pass (packed
-and plain), whole GRPO iterations of train.py itself, phase by phase, building a Hugging Face tokenizer, what each
-rank holds under DDP, FSDP and LoRA (scale), and each rank's memory while train.py starts from a checkpoint (start).
+and plain), whole GRPO iterations of train.py itself, phase by phase, building a Hugging Face
+tokenizer and encoding prompts (also rendered by a chat template), what each rank holds under DDP,
+FSDP and LoRA (scale), and each rank's memory while train.py starts from a checkpoint (start).
 """
 import json
 import sys

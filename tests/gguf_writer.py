@@ -20,12 +20,16 @@ from model import GPT, GPTConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 BPE = os.path.join(FIXTURES, "tiny-bpe-a", "tokenizer.json")  # Qwen2.5's layout: 541 BPE tokens, 3 special ones
-with open(os.path.join(FIXTURES, "qwen_tools", "qwen2.5_template.jinja"), encoding="utf-8") as f:
-    QWEN25_TEMPLATE = f.read()
-CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-          "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")  # a short stand-in
-LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>"
-                   "\\n\\n' + m.content + '<|eot_id|>' }}{%- endfor %}")
+
+
+def _template(name):
+    """A family's real chat template (tests/fixtures/chat_templates: TRL's byte-exact copies)."""
+    with open(os.path.join(FIXTURES, "chat_templates", f"{name}.jinja"), encoding="utf-8") as f:
+        return f.read()
+
+
+QWEN25_TEMPLATE, QWEN3_TEMPLATE = _template("qwen2_5"), _template("qwen3")
+LLAMA3_TEMPLATE = _template("llama3_1")
 # Llama-3's pre-tokenizer regex (its tokenizer.json's Split), and its special tokens after the BPE vocabulary
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -133,7 +137,8 @@ QWEN = dict(bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", a
 HUBS = {
     "qwen2.5": dict(tokenizer=lambda: _load(BPE), pre="qwen2", config=dict(QWEN, chat_template=QWEN25_TEMPLATE),
                     ids=dict(bos_token_id=541, eos_token_id=543)),
-    "qwen3": dict(tokenizer=qwen3_tokenizer, pre="qwen2", config=dict(QWEN, chat_template=CHATML),
+    "qwen3": dict(tokenizer=qwen3_tokenizer, pre="qwen2",
+                  config=dict(QWEN, chat_template=QWEN3_TEMPLATE),
                   ids=dict(bos_token_id=541, eos_token_id=543)),
     "llama3": dict(tokenizer=llama3_tokenizer, pre="llama-bpe",
                    config=dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", chat_template=LLAMA3_TEMPLATE),

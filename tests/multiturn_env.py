@@ -16,11 +16,10 @@ class Echo:
 
 
 class Sandboxed(Echo):
-    """Echo's observation counted by a real program in the python tool's sandbox (tests/test_exact.py's resume), as
-    a tool turn: markup around what the program printed."""
+    """Echo's observation counted by a real program in the python tool's sandbox (tests/test_exact.py's resume)."""
     def step(self, row, text):
         from lib.sandbox import python
-        return ['[', python(f"print(len({text!r}), end='')"), ']']
+        return '[' + python(f"print(len({text!r}), end='')") + ']'
 
 
 class CalcTags(Echo):

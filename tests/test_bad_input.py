@@ -44,6 +44,13 @@ def write_files(d):
                                         (d / 'few_train.jsonl').read_text())
     (d / 'long_test.jsonl').write_text((d / 'long_train.jsonl').read_text())
     (d / 'config_typo.py').write_text("lerning_rate = 1e-3\n")
+    (d / 'bad.jinja').write_text("{% for m in messages %}{{ m.content }}")
+    (d / 'raises.jinja').write_text("{{ raise_exception('Conversation roles must alternate') }}")
+    (d / 'internals.jinja').write_text("{{ messages.__class__.__mro__ }}")
+    for split in ('train', 'test'):
+        rows = [{'prompt': [{'role': 'user', 'content': f'{i}+1='}], 'answer': str(i + 1)}
+                for i in range(8)]
+        (d / f'messages_{split}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     (d / 'config_syntax.py').write_text("beta = 0.1\nloss_type = 'grpo\n")
     for name, edit in [('bert', lambda c: c.update(model_type='bert')), ('nokey', lambda c: c.pop('n_layer'))]:
         (d / name).mkdir()
@@ -97,6 +104,21 @@ CASES = [
     ('fewer prompts than a step', ['--task={d}/few_{split}.jsonl', '--task_options={}'], "has 3 prompts but prompts_per_step=4"),
     ('prompt longer than block_size', ['--task={d}/long_{split}.jsonl', '--task_options={}'], "longest prompt is 43 tokens"),
     ('unknown task', ['--task=division'], "unknown dataset 'division'"),
+    ('not a chat template', ['--chat_template=chatml'],
+     "chat_template='chatml' is not 'auto', 'none', a checkpoint"),
+    ('chat template not Jinja', ['--chat_template={d}/bad.jinja'],
+     "the chat template is not valid Jinja: "),
+    ('chat template raises', ['--chat_template={d}/raises.jinja'],
+     "raises.jinja's chat template refuses the conversation: Conversation roles must alternate"),
+    ('chat template reaches internals', ['--chat_template={d}/internals.jinja'],
+     "internals.jinja's chat template tried to reach Python internals, which the sandbox refuses"),
+    ('chat template tokens the tokenizer lacks',
+     [f'--chat_template={ROOT}/tests/fixtures/chat_templates/qwen2_5.jinja'],
+     "writes the special tokens ['<|im_end|>', '<|im_start|>'], which tokenizer 'bytes' lacks"),
+    ('chat messages without a template', ['--task={d}/messages_{split}.jsonl', '--task_options={}'],
+     "a prompt is a list of messages but the run has no chat template; give chat_template="),
+    ('chat date not a date', ['--chat_date=tomorrow'],
+     "chat_date='tomorrow' is not a day written YYYY-MM-DD"),
     ('unknown task option', ["--task_options={'digit': 2}"], "task 'addition' has no option 'digit'"),
     ('unsupported model_type', ['--init_from={d}/bert'], "model_type 'bert' is not supported"),
     ('config.json missing a key', ['--init_from={d}/nokey'], "missing key 'n_layer'"),

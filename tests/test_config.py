@@ -66,7 +66,8 @@ def test_overrides_are_typed():
     assert c['beta'] == 0.0 and isinstance(c['beta'], float)
     assert c['init_from'] == 'resume' and c['top_k'] == 5 and c['reward_funcs'] == ('exact_match',)
     assert c['task_options'] == {'digits': 2} and c['delta'] is None
-    assert configure(DEFAULTS, ['--enable_thinking=False'])['enable_thinking'] is False  # a None default takes a bool
+    # a None default takes a value
+    assert configure(DEFAULTS, ['--system_prompt=Be brief.'])['system_prompt'] == 'Be brief.'
 
 
 @pytest.mark.parametrize('argv, message', [

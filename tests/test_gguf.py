@@ -22,7 +22,7 @@ from lib import gguf_file  # noqa: E402
 from configurator import ConfigError  # noqa: E402
 from gguf_writer import gguf_name, llama_cpp_order, tiny_model, write_gguf  # noqa: E402
 from model import GPT  # noqa: E402
-from lib.chat import stop_ids  # noqa: E402
+from lib.chat import load_template, stop_ids  # noqa: E402
 from lib.tokenizer import get_tokenizer, load_hf_tokenizer  # noqa: E402
 
 HERE = os.path.dirname(__file__)
@@ -195,7 +195,7 @@ def test_eos_ids_and_stop_ids(tmp_path):
     path = write_gguf(str(tmp_path / "m.gguf"), tiny_model("qwen2"),
                       metadata={"tokenizer.ggml.eot_token_id": 541})
     assert gguf_file.eos_ids(path) == [541, 543]
-    assert stop_ids(get_tokenizer(path), "chatml", path) == [543, 541]
+    assert stop_ids(get_tokenizer(path), load_template(path), path) == [543, 541]
 
 
 def test_hf_tokenizer_files_written_from_a_gguf_load_the_same(tmp_path):

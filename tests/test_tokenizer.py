@@ -2,22 +2,19 @@
 Tests for lib/tokenizer.py against tests/fixtures/tiny-bpe-a (a Qwen2.5-layout byte-level BPE tokenizer.json and the
 ids Hugging Face tokenizers gives for 38 texts): the loaded tiktoken Encoding reproduces them exactly, with special
 tokens allowed and as plain text, and decodes them back; every tokenizer.json that tiktoken could not reproduce is
-refused with one line naming the file; non-special added tokens, the older GPT-2 file layout, and eos_ids. The chat
-templates against the text each model's own template renders, written out by hand.
+refused with one line naming the file; non-special added tokens, the older GPT-2 file layout, and
+eos_ids. (The chat templates: test_chat_templates.py.)
 """
 import json
 import os
 import pickle
 import random
 import re
-import shutil
 import unicodedata
 
 import pytest
 import regex
-import tiktoken
 
-from lib.chat import QWEN2_SYSTEM, QWEN25_SYSTEM, check_template, render_chat, stop_ids
 from lib.tokenizer import GPT2_PATTERN, _hf_bpe, _unreachable, bytes_to_unicode, eos_ids, get_tokenizer, load_hf_tokenizer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-bpe-a")
@@ -282,132 +279,7 @@ def test_eos_ids(tmp_path):
     assert eos_ids(str(tmp_path)) == [151643, 151645]
 
 # -----------------------------------------------------------------------------
-# chat templates: each expected string is what the model's own template (tokenizer_config.json's chat_template, with
-# add_generation_prompt=True) renders for the same messages
-
-SYSTEM = {"role": "system", "content": "Be brief."}
-USER = {"role": "user", "content": "What is 2+2?"}
-TURNS = [USER, {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
-QWEN_TURNS = ("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
-              "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n")
-
-def test_chatml_qwen3():
-    """Qwen3: no default system message; enable_thinking=False (only False) opens the answer with an empty block."""
-    assert render_chat("What is 2+2?", "chatml") == render_chat([USER], "chatml") == \
-        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
-    assert render_chat([USER], "chatml", enable_thinking=True) == render_chat([USER], "chatml")
-    assert render_chat([USER], "chatml", enable_thinking=False) == \
-        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    assert render_chat([SYSTEM, USER], "chatml") == \
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
-    assert render_chat(TURNS, "chatml") == QWEN_TURNS
-    # Qwen's templates do not strip contents
-    assert render_chat(" 2+2?\n", "chatml") == "<|im_start|>user\n 2+2?\n<|im_end|>\n<|im_start|>assistant\n"
-
-def test_chatml_qwen25_and_qwen2_default_system():
-    """Qwen2.5's and Qwen2's templates insert their default system message when the first message is not a system
-    one: system_prompt does the same, and gives way to a system message in the prompt as theirs does."""
-    assert render_chat([USER], "chatml", system_prompt=QWEN25_SYSTEM) == (
-        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
-    assert render_chat(TURNS, "chatml", system_prompt=QWEN2_SYSTEM) == \
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + QWEN_TURNS
-    assert render_chat([SYSTEM, *TURNS], "chatml", system_prompt=QWEN25_SYSTEM) == \
-        "<|im_start|>system\nBe brief.<|im_end|>\n" + QWEN_TURNS
-    # only a first system message replaces the default: a later one is a turn like the others
-    assert render_chat([USER, SYSTEM, TURNS[2]], "chatml", system_prompt=QWEN2_SYSTEM) == (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n")
-
-LLAMA_SYSTEM = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n" \
-               "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
-
-def test_llama3():
-    """Llama-3.1/3.2's template: a system header always, with the date lines; every content stripped."""
-    assert render_chat("What is 2+2?", "llama3") == render_chat([USER], "llama3") == LLAMA_SYSTEM + (
-        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    assert render_chat([{"role": "system", "content": " Be brief.\n"}, USER], "llama3") == \
-        render_chat([USER], "llama3", system_prompt="Be brief.") == LLAMA_SYSTEM + (
-        "Be brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    turns = [{"role": "user", "content": "\tWhat is 2+2? "}, {"role": "assistant", "content": "4\n"}, TURNS[2]]
-    assert render_chat(turns, "llama3") == LLAMA_SYSTEM + (
-        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n4<|eot_id|>"
-        "<|start_header_id|>user<|end_header_id|>\n\nAnd 3+3?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    assert render_chat([USER, SYSTEM, TURNS[2]], "llama3", system_prompt="S") == LLAMA_SYSTEM + (
-        "S<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>"
-        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-        "<|start_header_id|>user<|end_header_id|>\n\nAnd 3+3?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
-
-def test_none_and_prompt_untouched():
-    assert render_chat(" 2+2=", "none") == " 2+2="
-    prompt = [USER]
-    render_chat(prompt, "chatml", system_prompt="S")
-    assert prompt == [USER]  # the system message goes into a new list, not the dataset's row
-
-BAD_CHATS = [  # (prompt, template, keyword arguments, the message as a regex)
-    ([USER], "none", {}, "the prompt is a list of messages: set chat_template to 'chatml' or 'llama3'"),
-    ("2+2=", "none", dict(system_prompt="S"), "system_prompt and enable_thinking need chat_template 'chatml'"),
-    ("2+2=", "none", dict(enable_thinking=False), "system_prompt and enable_thinking need chat_template 'chatml'"),
-    ("2+2=", "llama3", dict(enable_thinking=False), "enable_thinking is Qwen3's switch \\(chat_template 'chatml'\\); "
-                                                     "'llama3' has none"),
-    ("2+2=", "alpaca", {}, "chat_template 'alpaca' is not one of \\['none', 'chatml', 'llama3'\\]"),
-    ([], "chatml", {}, "a prompt is a string or a non-empty list of messages, not \\[\\]"),
-    ({"role": "user"}, "chatml", {}, "a prompt is a string or a non-empty list of messages, not \\{'role'"),
-    (["hi"], "chatml", {}, "prompt message 0 is not a dict with the keys 'role' and 'content' only: 'hi'"),
-    ([SYSTEM, {"role": "user"}], "chatml", {}, "prompt message 1 is not a dict with the keys 'role' and 'content'"),
-    ([dict(USER, name="x")], "llama3", {}, "prompt message 0 is not a dict with the keys 'role' and 'content' only"),
-    ([{"role": "tool", "content": "1"}], "chatml", {}, "prompt message 0 has role 'tool', not 'system', 'user' or "
-                                                       "'assistant'"),
-    ([{"role": "user", "content": None}], "chatml", {}, "prompt message 0 has content of type NoneType, not str"),
-    (TURNS[:2], "chatml", {}, "the last prompt message is from 'assistant': it must be the user's"),
-    ([SYSTEM], "llama3", {}, "the last prompt message is from 'system': it must be the user's"),
-]
-
-@pytest.mark.parametrize("prompt, template, kwargs, message", BAD_CHATS)
-def test_bad_chat(prompt, template, kwargs, message):
-    with pytest.raises(ValueError, match=message) as e:
-        render_chat(prompt, template, **kwargs)
-    assert "\n" not in str(e.value)
-
-def test_check_template(enc):
-    """The fixture tokenizer has <|im_start|> and <|im_end|> but none of Llama-3's; a byte tokenizer has none."""
-    check_template(enc, "chatml")
-    check_template(enc, "none")
-    with pytest.raises(ValueError, match="chat_template 'llama3' needs the special tokens \\['<\\|begin_of_text\\|>', "
-                       "'<\\|start_header_id\\|>', '<\\|end_header_id\\|>', '<\\|eot_id\\|>'\\], which tokenizer "
-                       "'tiny-bpe-a' lacks"):
-        check_template(enc, "llama3")
-    byte_enc = tiktoken.Encoding("bytes", pat_str=r"\S+|\s+", mergeable_ranks={bytes([b]): b for b in range(256)},
-                                 special_tokens={"<|endoftext|>": 256})
-    check_template(byte_enc, "none")
-    for template in ("chatml", "llama3"):
-        with pytest.raises(ValueError, match=f"chat_template '{template}' needs the special tokens .* which tokenizer "
-                                             "'bytes' lacks; use the template of the model's own tokenizer, or 'none'"):
-            check_template(byte_enc, template)
-    with pytest.raises(ValueError, match="chat_template 'qwen' is not one of"):
-        check_template(enc, "qwen")
-
-def test_chatml_tokens(enc):
-    """The rendered text, encoded with special tokens allowed, has the template's tokens as single ids (542
-    <|im_start|>, 543 <|im_end|>): the same ids as Hugging Face gives for the reference's chat text."""
-    text = render_chat("Hi!", "chatml", system_prompt="You are helpful.")
-    assert enc.encode(text, allowed_special="all") == CASE[text]["ids"]
-    # each piece between two template tokens is encoded on its own
-    ids = enc.encode(render_chat(TURNS, "chatml", enable_thinking=False), allowed_special="all")
-    expected = []
-    for piece in ["user\nWhat is 2+2?", "assistant\n4", "user\nAnd 3+3?"]:
-        expected += [542, *enc.encode_ordinary(piece), 543, *enc.encode_ordinary("\n")]
-    assert ids == expected + [542, *enc.encode_ordinary("assistant\n<think>\n\n</think>\n\n")]
-    assert [i for i in ids if i > 540] == [542, 543] * 3 + [542]
-
-
-# -----------------------------------------------------------------------------
-# get_tokenizer and the ids that end a completion
+# get_tokenizer
 
 def test_get_tokenizer_by_name_and_path():
     assert get_tokenizer("bytes").n_vocab == 257
@@ -424,11 +296,3 @@ def test_gpt2_without_network_is_a_clear_error(tmp_path, monkeypatch):
                                          r"tokenizer= to the checkpoint's tokenizer.json"):
         get_tokenizer("gpt2")
 
-def test_stop_ids(tmp_path):
-    enc = get_tokenizer(FIXTURE)
-    assert stop_ids(enc) == [541] and stop_ids(enc, "chatml", FIXTURE) == [543, 541]  # no generation_config here
-    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tmp_path)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [543, 541]}))
-    assert stop_ids(enc, "none", str(tmp_path / "tokenizer.json")) == [541, 543]
-    assert stop_ids(enc, "chatml", str(tmp_path)) == [543, 541]  # the end of turn first: answers are written with it
-    assert stop_ids(get_tokenizer("bytes")) == [256]

@@ -2,9 +2,9 @@
 Tests for lib/tools.py and the tool rendering of lib/chat.py: the calculator against Python's own exact Fraction arithmetic
 (random expressions, and the refusals, during which eval, exec and compile must not be called); the Python sandbox
 (output, crashes, timeouts, memory, output floods, fork bombs, the uid drop, the environment, the network); Qwen-style
-tool calls and their "error: ..." observations; and render_chat(..., tools=...) and render_tool_turn against
-Qwen2.5-Instruct's own template, rendered with jinja2 into tests/fixtures/qwen_tools/reference.json by
-make_reference.py, and against hand-written strings.
+tool calls and their "error: ..." observations; and apply_chat_template(..., tools=...) and
+chat.tool_turn against Qwen2.5-Instruct's own template, rendered with jinja2 into
+tests/fixtures/qwen_tools/reference.json by make_reference.py, and against hand-written strings.
 """
 import builtins
 import json
@@ -19,11 +19,12 @@ from fractions import Fraction
 
 import pytest
 
-from lib.chat import QWEN25_SYSTEM, render_chat, render_tool_turn
+from lib.chat import apply_chat_template, load_template, prompt_messages, tool_turn
 from lib.sandbox import MAX_OUTPUT_MB, interpreter, python, sandbox_problem
 from lib.tools import TOOLS, calculator, call_tool, parse_tool_call
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen_tools")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "qwen_tools")
 with open(os.path.join(FIXTURE, "reference.json"), encoding="utf-8") as f:
     REF = json.load(f)["cases"]
 
@@ -341,22 +342,41 @@ def test_tool_descriptions():
     assert list(TOOLS["python"][1]["function"]["parameters"]["properties"]) == ["code"]
 
 # -----------------------------------------------------------------------------
-# rendering: Qwen2.5-Instruct's template with tools
+# rendering: Qwen2.5-Instruct's own template with tools (apply_chat_template), and the tool turns
+# a multi-turn rollout appends (tool_turn)
+
+Q25 = load_template(os.path.join(FIXTURE, "qwen2.5_template.jinja"))
+QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+def render(messages, tools):
+    return apply_chat_template(Q25, messages, tools=tools, add_generation_prompt=True)
+
+
+def appended(messages, results, tools, end="<|im_end|>"):
+    """The text tool_turn appends after the assistant's turn ending messages, for these results."""
+    results_ = [{"role": "tool", "content": r} for r in results]
+    pieces = tool_turn(Q25, messages[:-1], results_, end=end, tools=tools)
+    assert [t for t, own in pieces if not own] == results  # the results are the ordinary pieces
+    return "".join(t for t, _ in pieces)
+
 
 @pytest.mark.parametrize("case", REF, ids=[c["name"] for c in REF])
 def test_reference(case):
-    """render_chat reproduces the template's text; and every assistant turn ending in tool calls, followed by
-    render_tool_turn of their results, continues its prefix into the whole conversation."""
+    """apply_chat_template reproduces the template's text; and every assistant turn ending in tool
+    calls, followed by what tool_turn appends for their results, continues its prefix into the
+    whole conversation."""
     messages, tools = case["messages"], case["tools"]
-    assert render_chat(messages, "chatml", tools=tools) == case["text"]
+    assert render(messages, tools) == case["text"]
     for i, (m, calls) in enumerate(zip(messages, case["tool_calls"])):
         if calls:
             assert parse_tool_call(m["content"]) == tuple(calls[-1])
             results = []
-            while i + 1 + len(results) < len(messages) and messages[i + 1 + len(results)]["role"] == "tool":
+            while i + 1 + len(results) < len(messages) and \
+                    messages[i + 1 + len(results)]["role"] == "tool":
                 results.append(messages[i + 1 + len(results)]["content"])
-            prefix = render_chat(messages[:i], "chatml", tools=tools) + m["content"] + "<|im_end|>"
-            assert case["text"].startswith(prefix + render_tool_turn(results))
+            prefix = render(messages[:i], tools) + m["content"] + "<|im_end|>"
+            assert case["text"].startswith(prefix + appended(messages[:i + 1], results, tools))
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Exact arithmetic.", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
@@ -370,14 +390,16 @@ TOOLS_SECTION = ("\n\n# Tools\n\nYou may call one or more functions to assist wi
                  "<args-json-object>}\n</tool_call><|im_end|>\n")
 USER = {"role": "user", "content": "What is 123 * 456?"}
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}\n</tool_call>'
+TURN = ("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
 
 def test_system_tools_and_user():
-    assert render_chat([{"role": "system", "content": "Be exact."}, USER], "chatml", tools=[CALC]) == \
-        render_chat([USER], "chatml", system_prompt="Be exact.", tools=[CALC]) == (
+    assert render([{"role": "system", "content": "Be exact."}, USER], [CALC]) == \
+        render(prompt_messages([USER], "Be exact."), [CALC]) == (
         "<|im_start|>system\nBe exact." + TOOLS_SECTION +
         "<|im_start|>user\nWhat is 123 * 456?<|im_end|>\n<|im_start|>assistant\n")
     # without a system message, Qwen2.5's own
-    assert render_chat("What is 123 * 456?", "chatml", tools=[CALC]) == (
+    assert render(prompt_messages("What is 123 * 456?"), [CALC]) == (
         "<|im_start|>system\n" + QWEN25_SYSTEM + TOOLS_SECTION +
         "<|im_start|>user\nWhat is 123 * 456?<|im_end|>\n<|im_start|>assistant\n")
 
@@ -386,58 +408,56 @@ def test_tool_call_and_result():
     text = ("<|im_start|>system\n" + QWEN25_SYSTEM + TOOLS_SECTION +
             "<|im_start|>user\nWhat is 123 * 456?<|im_end|>\n<|im_start|>assistant\n" + CALL + "<|im_end|>\n"
             "<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    assert render_chat(messages, "chatml", tools=[CALC]) == text
-    assert render_tool_turn(["56088"]) == \
-        "\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    assert render_chat([USER], "chatml", tools=[CALC]) + CALL + "<|im_end|>" + render_tool_turn(["56088"]) == text
+    assert render(messages, [CALC]) == text
+    assert appended(messages[:2], ["56088"], [CALC]) == TURN
+    # a turn that ended without the end of turn token (a stop string): the template closes it first
+    assert appended(messages[:2], ["56088"], [CALC], end="") == "<|im_end|>" + TURN
+    assert render([USER], [CALC]) + CALL + "<|im_end|>" + TURN == text
 
 def test_two_tool_results_in_one_user_turn():
     two_calls = CALL + "\n" + CALL.replace("123 * 456", "1/3")
     messages = [USER, {"role": "assistant", "content": two_calls}, {"role": "tool", "content": "56088"},
                 {"role": "tool", "content": "1/3"}]
-    turn = ("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response>\n<tool_response>\n1/3\n</tool_response>"
-            "<|im_end|>\n<|im_start|>assistant\n")
-    assert render_tool_turn(["56088", "1/3"]) == turn
-    assert render_chat(messages, "chatml", tools=[CALC]) == \
-        render_chat([USER], "chatml", tools=[CALC]) + two_calls + "<|im_end|>" + turn
+    turn = ("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response>\n<tool_response>\n1/3\n"
+            "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert appended(messages[:2], ["56088", "1/3"], [CALC]) == turn
+    assert render(messages, [CALC]) == render([USER], [CALC]) + two_calls + "<|im_end|>" + turn
 
 def test_prefix_property_on_random_conversations():
-    """What a multi-turn rollout relies on: the prompt, then each assistant turn (its raw text and <|im_end|>) and
-    render_tool_turn of its results, is the rendering of the whole conversation, at every step."""
-    rng = random.Random(2)
+    """What a multi-turn rollout relies on: the prompt, then each assistant turn (its raw text and
+    <|im_end|>) and what tool_turn appends for its results, is the rendering of the whole
+    conversation, at every step."""
+    rng, tools = random.Random(2), [CALC, TOOLS["python"][1]]
     for _ in range(200):
         system = [{"role": "system", "content": "S"}] if rng.random() < 0.5 else []
         messages = system + [{"role": "user", "content": rng.choice(["Hi", "2+2?", " x \n"])}]
-        text = render_chat(messages, "chatml", tools=[CALC, TOOLS["python"][1]])
+        text = render(messages, tools)
         for _ in range(rng.randint(1, 4)):
             calls = rng.randint(1, 3)
             assistant = rng.choice(["", "Let me see.\n"]) + "\n".join([CALL] * calls)
-            results = [rng.choice(["56088", "error: division by zero", "a\nb\n", ""]) for _ in range(calls)]
-            messages += [{"role": "assistant", "content": assistant}] + [{"role": "tool", "content": r}
-                                                                          for r in results]
-            text += assistant + "<|im_end|>" + render_tool_turn(results)
-            assert render_chat(messages, "chatml", tools=[CALC, TOOLS["python"][1]]) == text
+            results = [rng.choice(["56088", "error: division by zero", "a\nb\n", "", "<|im_end|>"])
+                       for _ in range(calls)]
+            messages += [{"role": "assistant", "content": assistant}]
+            text += assistant + "<|im_end|>" + appended(messages, results, tools)
+            messages += [{"role": "tool", "content": r} for r in results]
+            assert render(messages, tools) == text
 
 def test_without_tools_nothing_changes():
     turns = [USER, {"role": "assistant", "content": "56088"}, {"role": "user", "content": "Thanks"}]
-    assert render_chat(turns, "chatml", tools=None) == render_chat(turns, "chatml")
-    assert render_chat(turns, "chatml", system_prompt="S", tools=None) == render_chat(turns, "chatml",
-                                                                                      system_prompt="S")
+    assert apply_chat_template(Q25, turns, tools=None) == apply_chat_template(Q25, turns)
+    assert "# Tools" not in apply_chat_template(Q25, turns)
+
+GEMMA3 = os.path.join(ROOT, "tests", "fixtures", "chat_templates", "gemma3.jinja")
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: render_chat([USER], "llama3", tools=[CALC]), "tools need chat_template 'chatml'"),
-    (lambda: render_chat("2+2=", "none", tools=[CALC]), "tools need chat_template 'chatml'"),
-    (lambda: render_chat([USER], "chatml", enable_thinking=False, tools=[CALC]), "enable_thinking is Qwen3's switch"),
-    (lambda: render_chat([USER, {"role": "tool", "content": "1"}], "chatml"), "prompt message 1 has role 'tool', "
-                                                                              "not 'system', 'user' or 'assistant'"),
-    (lambda: render_chat([USER, {"role": "assistant", "content": CALL}], "chatml", tools=[CALC]),
-     "the last prompt message is from 'assistant': it must be the user's or a tool result"),
-    (lambda: render_chat([{"role": "function", "content": "1"}], "chatml", tools=[CALC]),
-     "prompt message 0 has role 'function', not 'system', 'user', 'assistant' or 'tool'"),
-    (lambda: render_chat([USER], "chatml", tools={"calculator": CALC}), "tools is a list of tool descriptions (dicts)"),
-    (lambda: render_tool_turn(["1"], "llama3"), "render_tool_turn renders chat_template 'chatml'"),
-    (lambda: render_tool_turn([]), "render_tool_turn takes a non-empty list of result strings"),
-    (lambda: render_tool_turn("56088"), "render_tool_turn takes a non-empty list of result strings"),
+    (lambda: prompt_messages([USER, {"role": "assistant", "content": CALL}]),
+     "the last prompt message is the assistant's: the model answers the last message"),
+    (lambda: prompt_messages([{"role": "tool", "content": 1}]),
+     "prompt message 0 is not a dict with a string 'role' and 'content'"),
+    (lambda: prompt_messages([]), "a prompt is a string or a non-empty list of messages"),
+    (lambda: tool_turn(load_template(GEMMA3), [USER], [{"role": "tool", "content": "1"}]),
+     "gemma3.jinja's chat template refuses the conversation: Conversation roles must alternate "
+     "user/assistant/"),
 ])
 def test_bad_tool_chats(call, message):
     with pytest.raises(ValueError, match=re.escape(message)) as e:

@@ -3,6 +3,7 @@ import ast
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -121,11 +122,14 @@ def test_trains_from_each_family(family, tmp_path):
 
 
 def test_chat_run_with_the_checkpoints_tokenizer(tmp_path):
-    """tiny-qwen2-a with the Qwen2.5-layout tokenizer tiny-bpe-a (544 ids fit its 640 rows) and the chatml template:
-    the prompts are rendered as chat turns and completions stop on <|im_end|>."""
+    """tiny-qwen2-a with the Qwen2.5-layout tokenizer tiny-bpe-a (544 ids fit its 640 rows) and a
+    template named by its file (the checkpoint has none): the prompts are rendered as chat turns and
+    completions stop on <|im_end|>."""
     out, fixtures = tmp_path / 'out', os.path.join(ROOT, 'tests', 'fixtures')
     p = run(['config/dr_grpo.py', '--max_iters=2', f"--init_from={fixtures}/tiny-qwen2-a", '--block_size=32',
-             f"--tokenizer={fixtures}/tiny-bpe-a", '--chat_template=chatml', "--system_prompt='Add.'"], out)
+             f"--tokenizer={fixtures}/tiny-bpe-a",
+             f'--chat_template={fixtures}/chat_templates/qwen2_5.jinja',
+             "--system_prompt='Add.'"], out)
     assert [m['iter'] for m in metrics(out) if 'reward' in m] == [0, 1] and 'eval 2' in p.stdout
     ckpt = os.path.join(out, json.load(open(out / 'latest')))  # a whole HF model directory: weights and tokenizer
     assert open(os.path.join(ckpt, 'tokenizer.json')).read() == open(f'{fixtures}/tiny-bpe-a/tokenizer.json').read()
@@ -133,22 +137,32 @@ def test_chat_run_with_the_checkpoints_tokenizer(tmp_path):
 
 @pytest.mark.parametrize('recipe', [f for f in REAL if f.startswith('qwen')])
 def test_qwen_recipes_on_a_tiny_qwen(recipe, tmp_path):
-    """The Qwen recipes as written (template, system prompt, task, rewards, loss, checkpointing), with the model, the
-    tokenizer and the GSM8K files swapped for tiny ones, in float32 without compile: two iterations run."""
+    """The Qwen recipes as written (task, rewards, loss, checkpointing; the checkpoint's own
+    template), with the model and the GSM8K files swapped for tiny ones, in float32 without
+    compile: two iterations run. The tiny model is laid out as Qwen2.5-Instruct's directory is: its
+    tokenizer, and its template in tokenizer_config.json."""
     fixtures = os.path.join(ROOT, 'tests', 'fixtures')
+    model = shutil.copytree(f'{fixtures}/tiny-qwen2-a', tmp_path / 'qwen')
+    shutil.copy(f'{fixtures}/tiny-bpe-a/tokenizer.json', model)
+    template = open(f'{fixtures}/chat_templates/qwen2_5.jinja', encoding='utf-8').read()
+    config = dict(chat_template=template, eos_token='<|im_end|>')
+    (model / 'tokenizer_config.json').write_text(json.dumps(config))
     for split, n in (('train', 8), ('test', 4)):  # the GSM8K layout: a question and a worked answer ending '#### N'
         rows = [dict(question=f"Tom has {i} apples and buys {i + 2}. How many now?", answer=f"{i} + {i + 2} = "
                      f"{2 * i + 2}\n#### {2 * i + 2}") for i in range(n)]
         (tmp_path / f'{split}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     out = tmp_path / 'out'
-    p = run([f'config/{recipe}', '--max_iters=2', f'--init_from={fixtures}/tiny-qwen2-a', '--block_size=256',
-             f'--tokenizer={fixtures}/tiny-bpe-a', '--dtype=float32', '--compile=False', '--eval_interval=2']
+    p = run([f'config/{recipe}', '--max_iters=2', f'--init_from={model}', '--block_size=256',
+             '--dtype=float32', '--compile=False', '--eval_interval=2']
             + ([f"--task={tmp_path}/{{split}}.jsonl", '--task_options={}'] if 'gsm8k' in recipe else
                ["--task_options={'count': (3,)}"]), out)
     rows = [m for m in metrics(out) if 'reward' in m]
     assert [m['iter'] for m in rows] == [0, 1] and 'eval 2: greedy acc' in p.stdout
     fns = ('numeric_match', 'boxed') if 'gsm8k' in recipe else ('countdown_reward', 'boxed')  # accuracy, then format
     assert all(f'reward/{f}' in m for f in fns for m in rows) and '| boxed ' in p.stdout
+    ckpt = os.path.join(out, json.load(open(out / 'latest')))
+    saved = json.load(open(os.path.join(ckpt, 'trainer.json')))['config']
+    assert saved['chat_template'] == str(model)
 
 
 def test_a_users_jsonl_file_needs_no_task_flags(tmp_path):

@@ -8,11 +8,14 @@ import random
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import torch
 
 from lib import lora
 from lib import sandbox
+from lib import tools
+from lib.chat import encode_prompt, load_template
 from lib.measure import timed
 from lib.tokenizer import _hf_bpe, bytes_to_unicode, get_tokenizer, load_hf_tokenizer
 from scripts.benchmarks.common import ROOT, autocast, build_model, grpo_batch, make_prompts, run_train
@@ -151,7 +154,8 @@ def synthetic_tokenizer(path, n_vocab, seed=0):
 
 def bench_tokenizer(args, model, results):
     """Building a tiktoken Encoding from a --tokenizer_vocab-token tokenizer.json (synthetic, since nothing is
-    downloaded), its checks included, and encoding a GSM8K-sized batch of prompts with it."""
+    downloaded), its checks included, and encoding a GSM8K-sized batch of prompts with it: as they
+    are, and rendered by Qwen2.5-Instruct's chat template with tools first (chat.encode_prompt)."""
     with tempfile.TemporaryDirectory() as folder:
         mean_len = synthetic_tokenizer(os.path.join(folder, "tokenizer.json"), args.tokenizer_vocab)
         enc = load_hf_tokenizer(folder)  # also the warm-up of the timed build
@@ -160,8 +164,15 @@ def bench_tokenizer(args, model, results):
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(500)]
     prompts = [" ".join(rng.choice(words) for _ in range(80)) + f" {rng.randint(0, 10**6)}." for _ in range(64)]
     encode = timed(lambda: [enc.encode(p) for p in prompts], "cpu", args.repeat)
+    # the batch as chat prompts: Qwen2.5-Instruct's own template with the tools in its system
+    # message, compiled once (chat.compile_template's cache) as in a run, then encoded
+    qwen = os.path.join(ROOT, "tests", "fixtures", "chat_templates", "qwen2_5.jinja")
+    cfg = SimpleNamespace(template=load_template(qwen), system_prompt=None, chat_template_kwargs={},
+                          environment=SimpleNamespace(tools=tools.TOOLS))
+    chat = timed(lambda: [encode_prompt(p, cfg, enc) for p in prompts], "cpu", args.repeat)
     results["tokenizer"] = dict(vocab=enc.n_vocab, mean_token_chars=mean_len, build_s=build, batch_prompts=64,
-                                batch_chars=sum(map(len, prompts)), encode_batch_ms=encode * 1e3)
+                                batch_chars=sum(map(len, prompts)), encode_batch_ms=encode * 1e3,
+                                chat_tools_batch_ms=chat * 1e3)
 
 def activation_mb(model, args):
     """MB of the tensors one micro-batch's training forward saves for backward (counted once per storage by
