@@ -68,7 +68,8 @@ def bench_truncation(args, model, results):
     model.zero_grad(set_to_none=True)
     r = results["truncation"] = dict(top_k=str(args.top_k), top_p=args.top_p, logprob_step_full_s=full_s,
                                      logprob_step_truncated_s=truncated_s, logprob_step_ratio=truncated_s / full_s)
-    for truncate in (False, True) * 2:  # in turn, twice, the least of each kept: a shared machine has slow spells
+    # in turn, twice (once with --repeat 1), the least of each kept: a shared machine has slow spells
+    for truncate in (False, True) * min(args.repeat, 2):
         with tempfile.TemporaryDirectory() as out_dir:
             its = run_train(args, out_dir, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                             vocab_size=args.vocab_size, block_size=args.block_size, prompts_per_step=args.prompts,
