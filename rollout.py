@@ -177,11 +177,12 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     t = lap(times, 'reward', t, device)  # packing the batch counts with scoring
     full = (cfg.top_k, cfg.top_p) != (None, None) and not cfg.truncate_logprobs
     if (cfg.autocast or full) and not cfg.on_policy or full and cfg.kl_in_reward:
-        # generate's log-probs are of the distribution it drew from (log q with top-k/top-p), the trainer's own; only
-        # low-precision sampling differs enough from the training forward to redo them, or a trainer that takes the
-        # full softmax (truncate_logprobs=False), whose KL in the reward needs its own too. On-policy the loss takes
-        # the training forward's own (logp.detach()) and needs no pass of its own. The sampler's stay in the batch for
-        # the off-policy mask and sampler_correction; the loss logs the gap
+        # generate's log-probs are of the distribution it drew from (log q with top-k/top-p), the
+        # trainer's own; only low-precision sampling differs enough from the training forward to
+        # redo them, or a trainer that takes the full softmax (truncate_logprobs=False), whose KL
+        # in the reward needs its own too. On-policy the loss takes the training forward's own
+        # (logp.detach()) and needs no pass of its own. The sampler's stay in the batch for the
+        # off-policy mask and sampler_correction; the loss logs the gap
         batch['old_logps'] = logprobs(model, batch, cfg)
     if ref_model is not None:  # with LoRA the reference is the policy itself, its adapters switched off
         with adapters_off(model) if ref_model is model else nullcontext():
@@ -235,8 +236,8 @@ def rollout_metrics(info, G, reward_fns, device):
 
 
 def truncation(cfg):
-    """model.logprobs' top_k and top_p: the sampler's (log q, of the distribution that sampled) unless
-    truncate_logprobs=False asks for the full softmax's log-probs."""
+    """model.logprobs' top_k and top_p: the sampler's (log q, of the distribution that sampled)
+    unless truncate_logprobs=False asks for the full softmax's log-probs."""
     return dict(top_k=cfg.top_k, top_p=cfg.top_p) if cfg.truncate_logprobs else {}
 
 

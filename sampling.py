@@ -39,7 +39,8 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
     else:  # candidates sorted by probability, so the top_p cut is a prefix
         w, idx = candidates(p, top_k, top_p)  # (B, k)
         at = _draw(w, u)  # (B, 1)
-        return idx.gather(1, at).squeeze(1), (w.gather(1, at) / w.sum(-1, keepdim=True)).log().squeeze(1)
+        q = w.gather(1, at) / w.sum(-1, keepdim=True)  # (B, 1)
+        return idx.gather(1, at).squeeze(1), q.log().squeeze(1)
     return tok.squeeze(1), p.gather(1, tok).log().squeeze(1)
 
 def _draw(w, u):

@@ -65,7 +65,7 @@ num_generations = 8  # G: completions per prompt
 max_completion_length = 8
 temperature = 1.0  # sampling temperature; the loss's log-probs use it too, so the ratio is about the same policy
 top_k, top_p = None, None  # sample from the top_k likeliest tokens only, then from the fewest holding top_p of them
-truncate_logprobs = True  # with top_k/top_p, log-probs of what sampled; False: the full softmax's (docs/on_policy.md)
+truncate_logprobs = True  # top_k/top_p: train on q, what sampled; False: on the full softmax
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling, max_resample_rounds = False, 4  # DAPO: resample prompts whose groups all got the same reward
 env = ''  # multi-turn: an environment, lib/envs.py's name or 'module:attribute'; '' = one turn, no environment

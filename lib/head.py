@@ -31,7 +31,7 @@ class HeadLogprobs(torch.autograd.Function):
     (lib/truncation.py), in the formulas above too (the kept set is constant near z)."""
 
     @staticmethod
-    def _logits(h, w, temperature, rows, targets, cut):  # w: the weight in the matmuls' dtype, cast once per pass
+    def _logits(h, w, temperature, rows, targets, cut):  # w: in the matmuls' dtype, cast once a pass
         # (n, V) at least float32, even under autocast: the normaliser needs it (a float64 model keeps float64)
         logits = torch.mm(h.to(w.dtype), w.t(), out=scratch(rows, (len(h), len(w)), w.dtype, h.device))
         logits = _cast(logits, torch.promote_types(w.dtype, torch.float32), rows)
