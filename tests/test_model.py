@@ -408,7 +408,8 @@ def brute_logprobs_entropy(model, idx, start, length, temperature):
 def test_logprobs_entropy_match_brute_force_with_chunks_and_grad(monkeypatch):
     torch.manual_seed(0)
     apply, keeps = HeadLogprobs.apply, []  # 7-row chunks: 3 x 20 targets make eight full chunks and a ragged one of 4
-    monkeypatch.setattr(HeadLogprobs, "apply", lambda h, w, t, temp, rows, *rest: keeps.append(rest[-1]) or
+    # rest: dtype, entropy, keep (the logits for backward), cut (top_k, top_p)
+    monkeypatch.setattr(HeadLogprobs, "apply", lambda h, w, t, temp, rows, *rest: keeps.append(rest[2]) or
                         apply(h, w, t, temp, 7, *rest))
     model = GPT(GPTConfig(block_size=32, vocab_size=60, n_layer=2, n_head=2, n_embd=16)).double()
     idx, start, length = torch.randint(0, 60, (3, 32)), torch.tensor([5, 12, 1]), 20
