@@ -36,7 +36,7 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
         tok = x.argmax(-1, keepdim=True)
     elif top_k is None and top_p is None:
         tok = _draw(p, u)
-    else:  # candidates sorted by probability, so the top_p cut is a prefix
+    else:  # drawn among the kept tokens, and its log q: its weight over theirs
         w, idx = candidates(p, top_k, top_p)  # (B, k)
         at = _draw(w, u)  # (B, 1)
         q = w.gather(1, at) / w.sum(-1, keepdim=True)  # (B, 1)
