@@ -161,6 +161,10 @@ def check_config(c, world_size, distributed=False):
     need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] != 0,  # None: 400 from scratch
          "beta > 0 needs a reference policy worth staying close to, but init_from='scratch' with sft_iters=0 "
          "starts from random weights; set sft_iters > 0, init_from a checkpoint directory, or beta=0")
+    need(c['truncate_logprobs'] or (c['top_k'], c['top_p']) != (None, None),
+         "truncate_logprobs=False asks for the full softmax's log-probs rather than those of "
+         "top_k/top_p's truncated distribution, but neither is set, so every log-prob is the full "
+         "softmax's already: drop it")
     check_settings(c)
     check_sampling(c['top_k'], c['top_p'])
 

@@ -340,8 +340,13 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         "ratio/mean": _masked_mean(ratio, valid),
         "ratio/max": torch.where(valid, ratio, 0.0).max(),  # ratios are > 0, so 0 marks an empty batch
     }
-    if reported:  # the gap between the log-probs the sampler reported and the trainer's own (bf16 sampling)
+    if reported:  # the gap between the log-probs the sampler reported and the trainer's own (bf16
+        # sampling, or the full softmax trained on top-k/top-p samples): their mean distance and
+        # k3's KL(sampler || trainer), in float64, where float32's rounding of exp(x) - x - 1 would
+        # swamp a gap of a few ulps
         stats["sampler/logp_diff"] = _masked_mean(sampler_gap.abs(), valid)
+        kl_gap = kl_divergence(sampler_logps.double(), old_logps.detach().double())  # (B, T)
+        stats["sampler/kl"] = _masked_mean(kl_gap, valid)
         stats["sampler/rho_max"] = torch.where(valid, sampler_gap, -math.inf).max().exp()
     if entropy is not None:
         stats["entropy"] = _masked_mean(entropy, valid)

@@ -25,6 +25,7 @@ from sampling import sample
 from lib import gguf_file, hf
 from lib.errors import ConfigError
 from lib.head import HeadLogprobs
+from lib.truncation import truncate_
 
 class RMSNorm(nn.Module):
 
@@ -287,7 +288,8 @@ class GPT(nn.Module):
             return self.logprobs(idx, start, *args, **kwargs)
         return self.lm_head(self.hidden(idx))
 
-    def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None, pos=None, plain=False):
+    def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None, pos=None, plain=False,
+                 top_k=None, top_p=None):
         """out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j], predicted from the position
         before it, for j < length: (B, length) float32 (float64 for a float64 model). idx (B, T) holds prompt +
         completion + any right padding per row (causal attention never looks at the padding), start (B,) each row's
@@ -297,8 +299,8 @@ class GPT(nn.Module):
         (n,) is where each of n rows' completion begins, as a flat index into idx: out is then (n, length). The
         output layer runs in chunks of rows with a backward of its own (lib/head.py), so a float32 (B, T, vocab)
         tensor never exists; plain=True runs the reference instead, log_softmax(logits).gather, the same numbers.
-        entropy=True returns (out, H) instead, H[b, j] (B, length) the entropy of the same softmax(logits /
-        temperature) that out[b, j] is taken from; gradients flow through both."""
+        entropy=True returns (out, H), H[b, j] the entropy of the softmax out[b, j] is taken from, both with gradients.
+        top_k, top_p: the sampler's, for log q: that softmax renormalised over the tokens they keep (lib/truncation)."""
         B, T = idx.shape
         # checked when run eagerly; a compiled graph would break at the host sync
         if pos is None and not torch.compiler.is_compiling() and (int(start.min()) < 1 or
@@ -314,13 +316,15 @@ class GPT(nn.Module):
         h, targets = h.flatten(0, 1)[before], idx.flatten()[before + 1]  # (k, C), (k,)
         if plain:  # the reference: the (k, vocab) logits at once, their log-softmax in float32 (or float64)
             logits = self.lm_head(h)
-            logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
+            z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+            logp = F.log_softmax(truncate_(z, top_k, top_p, targets), -1)
             out = [logp.gather(1, targets[:, None]).squeeze(1)] + ([-(logp.exp() * logp).sum(-1)] if entropy else [])
         else:  # the same numbers in chunks of rows, each chunk's float32 logits near 256 MB; backward recomputes
             # them when the blocks are recomputed too (gradient checkpointing: memory before time), else keeps them
             hold = torch.is_grad_enabled() and not self.gradient_checkpointing
             out = HeadLogprobs.apply(h, self.lm_head.weight, targets, temperature,
-                                     max(1, 2**26 // self.config.vocab_size), self.compute_dtype(), entropy, hold)
+                                     max(1, 2**26 // self.config.vocab_size), self.compute_dtype(), entropy, hold,
+                                     (top_k, top_p))
             out = out if entropy else (out,)
         out = [t.new_zeros(n, length).masked_scatter(keep, t) for t in out]  # (n, length) each
         return tuple(out) if entropy else out[0]
@@ -336,11 +340,10 @@ class GPT(nn.Module):
         Returns (tokens, mask, logprobs), each (N, L) with N = len(prompts) * num_samples rows in prompt-major order
         and L <= max_new_tokens the steps taken. eos_id: one id or several (Qwen's instruct models stop on <|im_end|>
         and <|endoftext|>). A row ends at its first eos, which it keeps; after it tokens are the smallest eos id (0 if
-        None), mask is False and logprobs 0. logprobs is the log-prob of each token under the full
-        softmax(logits / temperature), the same number logprobs() computes, so the on-policy ratio is exactly 1;
-        top_k/top_p only restrict which tokens can be drawn (see sample). temperature=0 is greedy, with log-probs
-        reported at temperature 1. generator: one torch.Generator for the whole batch, or a list of one per prompt,
-        whose draws then depend on nothing else: a prompt gets the same samples alone or in any batch.
+        None), mask is False and logprobs 0. logprobs: each token's under the distribution it was drawn from (see
+        sample), as logprobs() computes it with the same top_k and top_p. temperature=0 is greedy, with log-probs at
+        temperature 1. generator: one torch.Generator for the whole batch, or a list of one per prompt, whose draws
+        then depend on nothing else: a prompt gets the same samples alone or in any batch.
         turns (multi-turn): called as turns(row, ids) when a row samples an eos id, with the row's tokens so far;
         it returns the token ids of an observation to append (the row then goes on) or None (the row ends). The
         observation's tokens are in tokens, with mask False and logprobs 0: context, not the policy's actions. The

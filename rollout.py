@@ -9,7 +9,8 @@ rewards into advantages. What comes back holds, per completion row:
     start      (B,)    prompt length = index of the first completion token in idx
     mask       (B, C)  1 on completion tokens that count in the loss (C = max_completion_length)
     old_logps  (B, C)  log-probs of the sampled tokens under the sampling policy (the ratio's denominator)
-    sampler_logps (B, C)  the log-probs generate reported: old_logps itself, unless autocast made them redo it
+    sampler_logps (B, C)  the log-probs generate reported: old_logps itself, unless old_logps were redone (see
+                          rollout: autocast, or the full softmax with top-k/top-p)
     ref_logps  (B, C)  log-probs under the frozen reference model, only when beta > 0
     advantages (B,)
 
@@ -174,11 +175,14 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
                  sampler_logps=sampler_logps.to(device))
     batch['old_logps'] = batch['sampler_logps']
     t = lap(times, 'reward', t, device)  # packing the batch counts with scoring
-    if cfg.autocast and not cfg.on_policy:
-        # generate's log-probs are of the full temperature softmax (top-k/top-p only limit the draw), so they are
-        # the trainer's own; only low-precision sampling differs enough from the training forward to redo them.
-        # On-policy the loss takes the training forward's own (logp.detach()) and needs no pass of its own. The
-        # sampler's stay in the batch for the off-policy mask and sampler_correction; the loss logs the gap
+    full = (cfg.top_k, cfg.top_p) != (None, None) and not cfg.truncate_logprobs
+    if (cfg.autocast or full) and not cfg.on_policy or full and cfg.kl_in_reward:
+        # generate's log-probs are of the distribution it drew from (log q with top-k/top-p), the
+        # trainer's own; only low-precision sampling differs enough from the training forward to
+        # redo them, or a trainer that takes the full softmax (truncate_logprobs=False), whose KL
+        # in the reward needs its own too. On-policy the loss takes the training forward's own
+        # (logp.detach()) and needs no pass of its own. The sampler's stay in the batch for the
+        # off-policy mask and sampler_correction; the loss logs the gap
         batch['old_logps'] = logprobs(model, batch, cfg)
     if ref_model is not None:  # with LoRA the reference is the policy itself, its adapters switched off
         with adapters_off(model) if ref_model is model else nullcontext():
@@ -231,6 +235,12 @@ def rollout_metrics(info, G, reward_fns, device):
     return dict(m, **multiturn.metrics(info, lambda x: gather(x.to(device))))
 
 
+def truncation(cfg):
+    """model.logprobs' top_k and top_p: the sampler's (log q, of the distribution that sampled)
+    unless truncate_logprobs=False asks for the full softmax's log-probs."""
+    return dict(top_k=cfg.top_k, top_p=cfg.top_p) if cfg.truncate_logprobs else {}
+
+
 def micro_batches(batch, size, plain=False):
     """Yield (rows, micro-batch): the step's rows in ceil(B / size) micro-batches, each row in exactly one, with the
     batch's tensors for those rows (`rows`, indices into batch), the (B, C) ones cut to their longest completion
@@ -259,7 +269,7 @@ def logprobs(model, batch, cfg, entropy=False):
         with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
             got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], temperature=cfg.temperature,
                                  entropy=entropy, lengths=last_counted(mb['mask']), pos=mb['pos'],
-                                 plain=cfg.plain)  # (b, L), 0 past the last that counts
+                                 plain=cfg.plain, **truncation(cfg))  # (b, L), 0 past the last that counts
         for o, x in zip(out, got if entropy else (got,)):
             o[rows, :x.shape[1]] = x.to(o.dtype)
     return tuple(out) if entropy else out[0]

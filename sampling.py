@@ -7,6 +7,7 @@ import math
 import torch
 
 from lib.errors import ConfigError
+from lib.truncation import candidates
 
 
 def check_sampling(top_k, top_p):
@@ -19,11 +20,13 @@ def check_sampling(top_k, top_p):
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
     """Draw one token per row of logits (B, V) from softmax(logits / temperature), restricted to the top_k most
-    likely tokens and then to the smallest set of them holding top_p of their mass, and return (tokens (B,) long,
-    log-probs (B,) float32). The log-prob is under the full temperature softmax, not the restricted one: the
-    policy's own probability, as logprobs() computes it. temperature=0 is greedy (log-probs at temperature 1).
-    top_p without top_k sorts the whole vocabulary, which is slow on CPU; a top_k as well keeps it cheap.
-    u (B, 2): the two uniforms in [0, 1) each row's draw uses; by default from torch's global generator."""
+    likely tokens and then to the smallest set of them holding top_p of their mass (lib/truncation.py), and return
+    (tokens (B,) long, log-probs (B,) float32). The log-prob is under the distribution the token was drawn from: the
+    temperature softmax, renormalised over the kept tokens when top_k or top_p restricts them (log q), the number the
+    trainer's logprobs() computes with the same top_k and top_p. temperature=0 is greedy (log-probs of the full
+    softmax at temperature 1). top_p without top_k sorts the whole vocabulary, which is slow on CPU; a top_k as well
+    keeps it cheap. u (B, 2): the two uniforms in [0, 1) each row's draw uses; by default from torch's global
+    generator."""
     x = logits.float()
     u = torch.rand(x.size(0), 2, device=x.device) if u is None else u
     if temperature not in (0, 1):
@@ -33,12 +36,11 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
         tok = x.argmax(-1, keepdim=True)
     elif top_k is None and top_p is None:
         tok = _draw(p, u)
-    else:
-        # candidates sorted by probability, so the top_p cut is a prefix
-        w, idx = p.topk(min(top_k, p.size(-1))) if top_k is not None else p.sort(-1, descending=True)  # (B, k)
-        if top_p is not None:  # keep a token while the mass before it is < top_p of the candidates' mass
-            w = w.masked_fill(w.cumsum(-1) - w >= top_p * w.sum(-1, keepdim=True), 0.0)
-        tok = idx.gather(1, _draw(w, u))
+    else:  # drawn among the kept tokens, and its log q: its weight over theirs
+        w, idx = candidates(p, top_k, top_p)  # (B, k)
+        at = _draw(w, u)  # (B, 1)
+        q = w.gather(1, at) / w.sum(-1, keepdim=True)  # (B, 1)
+        return idx.gather(1, at).squeeze(1), q.log().squeeze(1)
     return tok.squeeze(1), p.gather(1, tok).log().squeeze(1)
 
 def _draw(w, u):

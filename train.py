@@ -22,7 +22,7 @@ from data import load_task
 from evaluate import evaluate, report
 from loss import grpo_loss, settings as loss_settings
 from model import GPT, GPTConfig
-from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask
+from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask, truncation
 import sft
 from lib import chat, checkpoint, lora, multiturn, parallelism
 from lib.errors import need_package
@@ -64,6 +64,7 @@ num_generations = 8  # G: completions per prompt
 max_completion_length = 8
 temperature = 1.0  # sampling temperature; the loss's log-probs use it too, so the ratio is about the same policy
 top_k, top_p = None, None  # sample from the top_k likeliest tokens only, then from the fewest holding top_p of them
+truncate_logprobs = True  # top_k/top_p: train on q, what sampled; False: on the full softmax
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling, max_resample_rounds = False, 4  # DAPO: resample prompts whose groups all got the same reward
 env = ''  # multi-turn: an environment, lib/envs.py's name or 'module:attribute'; '' = one turn, no environment
@@ -201,7 +202,7 @@ def forward_backward(mb, num_sequences, num_tokens):
     with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
         need = last_counted(mb['mask'])  # (b,) the output layer runs up to the last token the loss counts only
         logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1], temperature=temperature,
-                               entropy=True, lengths=need, pos=mb['pos'], plain=plain)
+                               entropy=True, lengths=need, pos=mb['pos'], plain=plain, **truncation(cfg))
     old, advantages, sampler = (mb[k].to(logps.dtype) for k in ('old_logps', 'advantages', 'sampler_logps'))
     loss, stats = grpo_loss(logps, None if cfg.on_policy else old, mb.get('ref_logps'), advantages, mb['mask'],
                             **loss_config, num_sequences=num_sequences, num_tokens=num_tokens, sampler_logps=sampler,

@@ -8,6 +8,7 @@ chunk ever exists. model.py's logprobs() calls it. On CPU each chunk is written 
 import torch
 
 from lib.cpu_buffers import scratch
+from lib.truncation import truncate_
 
 def _like(x, rows, dtype=None):
     """A scratch buffer shaped like x (n, V), in x's dtype or dtype."""
@@ -25,23 +26,26 @@ class HeadLogprobs(torch.autograd.Function):
     softmax, and adds the chunk's weight gradient into one (V, C) buffer in place, where autograd through chunks
     would make a fresh (V, C) gradient per chunk and sum them (slower, and V x C x 4 bytes more a chunk).
     With entropy=True it also returns the entropy H[i] = -sum_j p_j log p_j of the same p = softmax(z), z = logits /
-    temperature, from the same chunks, as (out, H); backward then adds dH / dz_j = -p_j (log p_j + H)."""
+    temperature, from the same chunks, as (out, H); backward then adds dH / dz_j = -p_j (log p_j + H).
+    cut = (top_k, top_p): with either set, p is q, softmax(z) renormalised over the tokens they keep
+    (lib/truncation.py), in the formulas above too (the kept set is constant near z)."""
 
     @staticmethod
-    def _logits(h, w, temperature, rows):  # w: the weight already in the matmuls' dtype, cast once per pass
+    def _logits(h, w, temperature, rows, targets, cut):  # w: in the matmuls' dtype, cast once a pass
         # (n, V) at least float32, even under autocast: the normaliser needs it (a float64 model keeps float64)
         logits = torch.mm(h.to(w.dtype), w.t(), out=scratch(rows, (len(h), len(w)), w.dtype, h.device))
         logits = _cast(logits, torch.promote_types(w.dtype, torch.float32), rows)
-        return logits.div_(temperature) if temperature != 1 else logits
+        logits = logits.div_(temperature) if temperature != 1 else logits
+        return truncate_(logits, *cut, targets)
 
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature, rows, dtype, entropy=False, keep=False):
-        ctx.args = temperature, rows, dtype
+    def forward(ctx, h, weight, targets, temperature, rows, dtype, entropy=False, keep=False, cut=(None, None)):
+        ctx.args = temperature, rows, dtype, cut
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: backward skips its term
         w = weight.to(dtype)
         out, ent, kept = [], [], []
         for i in range(0, max(len(h), 1), rows):  # one empty chunk when no position counts
-            logits = HeadLogprobs._logits(h[i:i + rows], w, temperature, rows)  # (n, V)
+            logits = HeadLogprobs._logits(h[i:i + rows], w, temperature, rows, targets[i:i + rows], cut)  # (n, V)
             logp = torch.log_softmax(logits, -1, out=_like(logits, rows))  # (n, V)
             out.append(logp.gather(1, targets[i:i + rows, None]).squeeze(1))
             if entropy:  # (n,) -sum_j p_j log p_j, p (n, V) in a buffer free again after this line
@@ -57,9 +61,9 @@ class HeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad, grad_ent=None):
         # ent: H (n,), or None when forward did not compute it; kept: each chunk's logits, or none
         h, weight, targets, ent, *kept = ctx.saved_tensors
-        temperature, rows, dtype = ctx.args
+        temperature, rows, dtype, cut = ctx.args
         if grad is None and grad_ent is None:
-            return None, None, None, None, None, None, None, None
+            return (None,) * 9
         grad_h, grad_w = torch.empty_like(h), torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         w = weight.to(dtype)
         for c, i in enumerate(range(0, len(h), rows)):
@@ -67,7 +71,7 @@ class HeadLogprobs(torch.autograd.Function):
             g = None if grad is None else grad[sl, None] / temperature  # (n, 1); / temperature: dz/dlogits
             # (n, V), never changed: forward's, or recomputed and then dropped as soon as read (a recompute holds
             # at most two (n, V) float32 tensors at a time)
-            logits = kept[c] if kept else HeadLogprobs._logits(hc, w, temperature, rows)
+            logits = kept[c] if kept else HeadLogprobs._logits(hc, w, temperature, rows, targets[sl], cut)
             buf = _like(logits, rows)
             if grad_ent is None:
                 d = torch.softmax(logits, -1, out=buf).mul_(-g)  # (n, V) -p g
@@ -88,4 +92,4 @@ class HeadLogprobs(torch.autograd.Function):
             elif grad_w is not None:  # autocast: in dtype, as an autocast Linear's weight gradient, summed in float32
                 grad_w += d.t() @ hc.to(dtype)
             del d  # the next chunk can take its buffer
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None

@@ -21,7 +21,7 @@ def test_bench_runs_every_section(tmp_path, lengths):
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
-    every = {'sampling', 'logprobs', 'tokenizer', 'scale', 'start'}
+    every = {'sampling', 'logprobs', 'tokenizer', 'scale', 'start', 'truncation'}
     assert {'peak', 'train_step', 'iteration'} | (every if lengths == 'fixed' else set()) <= r.keys()
     if lengths == 'fixed':  # FSDP holds half of DDP's parameters and AdamW state on each of 2 ranks, LoRA no reference
         s = r['scale']

@@ -114,6 +114,7 @@ def test_bad_config_files(tmp_path):
     (dict(init_from='resume', out_dir='/no/such/out'), 1, "holds no checkpoint"),
     (dict(top_p=1.5), 1, "top_p=1.5 must be None or in (0, 1]"),
     (dict(top_k=0), 1, "top_k=0 must be None or an int > 0"),
+    (dict(truncate_logprobs=False), 1, "truncate_logprobs=False asks for the full softmax's log-probs rather than"),
     # the second wave of loss knobs (issue 12)
     (dict(surrogate='sapo', sapo_temperature_neg=0.0), 1, "sapo_temperature_neg=0.0 must be > 0"),
     (dict(surrogate='vespo', vespo_lambda_pos=-1.0), 1, "vespo_lambda_pos=-1.0 must be > 0"),

@@ -121,6 +121,8 @@ PLAIN_CASES = {
     'entropy': ['--top_entropy_quantile=0.5', '--entropy_coef=0.01', '--loss_type=dapo'],
     'multi-turn': ['--env=multiturn_env:Echo', '--max_turns=3', '--max_completion_length=12', '--loss_type=dapo'],
     'lora': ['--lora_rank=4', '--beta=0.04'],
+    # log q (issue 47): the old, new and reference passes each find the kept set from their own logits
+    'top-k/top-p': ['--top_k=20', '--top_p=0.8', '--num_iterations=2', '--beta=0.04', '--loss_type=grpo'],
 }
 
 

@@ -148,6 +148,7 @@ def reference_loss(logps, old, ref, adv, mask, loss_type="grpo", beta=0.0, eps_l
                 zip(toks, [logps[i, t].detach() if old is None else old[i, t] for t in toks])]
         stats["sampler/logp_diff"] = mean([abs(x) for x in gaps])
         stats["sampler/rho_max"] = max((math.exp(x) for x in gaps), default=0.0)
+        stats["sampler/kl"] = mean([math.exp(x) - x - 1 for x in gaps])  # k3, the sampler's tokens
     if off_policy is not None:
         stats["off_policy_masked"] = mean(dropped)
     if correction != "none":

@@ -268,7 +268,7 @@ def test_generate_logprobs_match_trainer_path(tiny, top_k, top_p, new):
         idx[r, :len(p) + tokens.size(1)] = torch.tensor(p + tokens[r].tolist())
     start = torch.tensor([len(p) for p in rows])
     with torch.no_grad():
-        ref = tiny.logprobs(idx, start, tokens.size(1), temperature)
+        ref = tiny.logprobs(idx, start, tokens.size(1), temperature, top_k=top_k, top_p=top_p)
     torch.testing.assert_close(logps[mask], ref[mask], atol=1e-5, rtol=0)
     assert (logps[~mask] == 0).all()
 
@@ -408,7 +408,8 @@ def brute_logprobs_entropy(model, idx, start, length, temperature):
 def test_logprobs_entropy_match_brute_force_with_chunks_and_grad(monkeypatch):
     torch.manual_seed(0)
     apply, keeps = HeadLogprobs.apply, []  # 7-row chunks: 3 x 20 targets make eight full chunks and a ragged one of 4
-    monkeypatch.setattr(HeadLogprobs, "apply", lambda h, w, t, temp, rows, *rest: keeps.append(rest[-1]) or
+    # rest: dtype, entropy, keep (the logits for backward), cut (top_k, top_p)
+    monkeypatch.setattr(HeadLogprobs, "apply", lambda h, w, t, temp, rows, *rest: keeps.append(rest[2]) or
                         apply(h, w, t, temp, 7, *rest))
     model = GPT(GPTConfig(block_size=32, vocab_size=60, n_layer=2, n_head=2, n_embd=16)).double()
     idx, start, length = torch.randint(0, 60, (3, 32)), torch.tensor([5, 12, 1]), 20
@@ -526,8 +527,9 @@ def test_sampler_chi_square(V, temperature, top_k, top_p):
         support = [(c, p * n / 2) for c, p in zip(counts, probs) if p > 0]
         chi2 = sum((c - e) ** 2 / e for c, e in support)
         assert chi2 < chi_square_critical(len(support) - 1), f"distribution {d}: chi2 {chi2:.1f}"
-    # the log-prob is under the full temperature softmax whatever the filters
-    torch.testing.assert_close(lp, torch.log_softmax(logits / temperature, -1).gather(1, tok[:, None]).squeeze(1))
+    # the log-prob is under the distribution drawn from: the temperature softmax renormalised over the kept tokens
+    q = torch.tensor([expected_probs(dists[d].tolist(), temperature, top_k, top_p) for d in range(2)] * (n // 2))
+    torch.testing.assert_close(lp, q.gather(1, tok[:, None]).squeeze(1).log().float())
 
 def test_greedy_sample_is_argmax():
     logits = torch.randn(50, 33, generator=torch.Generator().manual_seed(0))

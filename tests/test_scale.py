@@ -19,7 +19,7 @@ TWO = TORCHRUN + ['--standalone', '--nproc_per_node=2']
 # a step that uses the reference model and two passes over the rollout (mu = 2: the ratio and clipping at work)
 STEP = BASE + ['--max_iters=1', '--beta=0.04', '--num_iterations=2', '--scale_rewards=group', REWARDS]
 STATS = ('kl', 'ratio/mean', 'ratio/max', 'entropy', 'grad_norm', 'clip_ratio/low', 'clip_ratio/high',
-         'clip_ratio/region', 'sampler/logp_diff', 'sampler/rho_max')
+         'clip_ratio/region', 'sampler/logp_diff', 'sampler/rho_max', 'sampler/kl')
 LORA = ['--lora_rank=4', '--lora_alpha=8', '--learning_rate=3e-2']
 
 
