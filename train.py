@@ -145,9 +145,8 @@ template = chat.run_template(config, state)  # 'auto' resolved, the date fixed: 
 if dtype == 'auto':  # rank 0 measures, so that every rank computes in the same dtype
     dtype = config['dtype'] = parallelism.from_rank0(fastest_dtype(device) if master else None)
 autocast = dtype in ('bfloat16', 'float16')
-cfg = SimpleNamespace(**dict(config, device=device, template=template), world_size=world_size,
-                      autocast=autocast, ptdtype=getattr(torch, dtype),
-                      on_policy=num_iterations == 1 and steps_per_generation == 1)
+cfg = SimpleNamespace(**dict(config, device=device, template=template), world_size=world_size, autocast=autocast,
+                      ptdtype=getattr(torch, dtype), on_policy=num_iterations == 1 and steps_per_generation == 1)
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 loss_config = {k: config[k] for k in (*loss_settings(), 'max_completion_length')}  # grpo_loss's, by name
 loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL is in the reward instead
