@@ -1,71 +1,93 @@
 """
-The GRPO family of objectives as pure functions on tensors: group advantages, importance ratios, the surrogate
-(PPO's clip, CISPO, SAPO or VESPO), the corrections and masks on it, the KL regulariser and the aggregation over
-tokens. No model, no I/O; the trainer calls group_advantages (or decoupled_advantages) once per batch of rollouts
-and grpo_loss once per micro-batch.
+The GRPO family of objectives as pure functions on tensors. group_advantages turns a group's rewards
+into advantages; grpo_loss composes four stages, each a function of its own below it: the importance
+ratio, the policy term (PPO's clip, CISPO, SAPO or VESPO, then the weights and masks on it), the KL
+regulariser and the aggregation over tokens. No model, no I/O; the trainer calls group_advantages
+(or decoupled_advantages) once per batch of rollouts and grpo_loss once per micro-batch. The checks
+of the settings come last, after the mathematics (check_settings).
 
-Notation: completion i of a group of G, token t. logp = log pi_theta(token), old_logp from the policy that sampled
-(pi_old), ref_logp from the frozen reference, mask = 1 on tokens that count, A_i the advantage of completion i,
-r = exp(logp - old_logp). Everything here is a loss (the negated objective). Where each paper's equation lives:
+Notation: completion i of a group of G, token t. logp = log pi_theta(token), old_logp from the
+policy that sampled (pi_old), ref_logp from the frozen reference, mask = 1 on tokens that count, A_i
+the advantage of completion i, r = exp(logp - old_logp). Everything here is a loss (the negated
+objective). Where each paper's equation lives:
 
   DeepSeekMath GRPO (Shao et al. 2024)
-    A_i = (R_i - mean(R)) / std(R) over the group               group_advantages(scale_rewards="group")
-    min(r A, clip(r, 1-eps, 1+eps) A)                           grpo_loss: the `surrogate == "clip"` line
-    - beta KL, KL = pi_ref/pi - log(pi_ref/pi) - 1               kl_divergence(estimator="k3"), added per token
-    1/G sum_i 1/|o_i| sum_t                                      loss_type="grpo"
+    A_i = (R_i - mean(R)) / std(R) over the group   group_advantages(scale_rewards="group")
+    min(r A, clip(r, 1-eps, 1+eps) A)               clipped_surrogate (surrogate="clip")
+    - beta KL, KL = pi_ref/pi - log(pi_ref/pi) - 1  kl_divergence(estimator="k3") in kl_penalty,
+                                                    added per token
+    1/G sum_i 1/|o_i| sum_t                         aggregate(loss_type="grpo")
   DAPO (Yu et al. 2025)
-    clip-higher: eps_low=0.2, eps_high=0.28                      epsilon_low, epsilon_high
-    token-level 1/sum_i|o_i| sum_i sum_t                         loss_type="dapo"
+    clip-higher: eps_low=0.2, eps_high=0.28         clipped_surrogate's epsilon_low, epsilon_high
+    token-level 1/sum_i|o_i| sum_i sum_t            aggregate(loss_type="dapo")
   Dr. GRPO (Liu et al. 2025)
-    A_i = R_i - mean(R), no std                                  group_advantages(scale_rewards="none")
-    divide by a constant, not by |o_i|                           loss_type="dr_grpo"
+    A_i = R_i - mean(R), no std                     group_advantages(scale_rewards="none")
+    divide by a constant, not by |o_i|              aggregate(loss_type="dr_grpo")
+  BNPO (TRL's "bnpo")
+    each micro-batch's own token mean, 1/sum|o_i|   aggregate(loss_type="bnpo")
+    sum_i sum_t over its rows: the one normaliser
+    that depends on how the step is split
   GSPO (Zheng et al. 2025)
-    s_i = (pi(o_i) / pi_old(o_i))^(1/|o_i|), clipped like r      importance_sampling_level="sequence"
+    s_i = (pi(o_i) / pi_old(o_i))^(1/|o_i|),        importance_ratio(level="sequence")
+    clipped like r; as GSPO-token, sg(s_i) r_t /
+    sg(r_t): s_i in value, each token's gradient
+  LUSPO (Length-Unbiased Sequence Policy Optimization, 2026)
+    each sequence's token mean times its length,    aggregate(loss_type="luspo")
+    1/G sum_i sum_t: a long completion is not
+    weighed down by its length
   CISPO (MiniMax-M1, 2025)
-    -sg(min(r, eps_high)) A logp: clip the IS weight, not the    surrogate="cispo"
-    update, so clipped tokens still get a gradient
+    -sg(min(r, eps_high)) A logp: clip the IS       cispo_surrogate (surrogate="cispo")
+    weight, not the update, so clipped tokens
+    still get a gradient
   Dual clip (Ye et al. 2020; verl's clip_ratio_c)
-    with A < 0, cap r at delta so one stale token with a huge    delta
-    ratio cannot dominate the step
+    with A < 0, cap r at delta so one stale token   clipped_surrogate's delta
+    with a huge ratio cannot dominate the step
   SAPO (Gao et al. 2025)
-    -(4/tau) sigmoid(tau (r - 1)) A: a soft gate, not a hard    surrogate="sapo", tau = sapo_temperature_pos
-    clip; its gradient is PPO's at r = 1, fading past it        where A > 0, else sapo_temperature_neg
+    -(4/tau) sigmoid(tau (r - 1)) A: a soft gate,   sapo_surrogate (surrogate="sapo"), tau =
+    not a hard clip; its gradient is PPO's at       sapo_temperature_pos where A > 0, else
+    r = 1, fading past it                           sapo_temperature_neg
   VESPO (2026)
-    -phi(w) A logp, phi(w) = exp(lambda + k log w - lambda w):  surrogate="vespo", (k, lambda) = vespo_k_pos,
-    a detached weight of the sequence ratio w = prod_t r_t      vespo_lambda_pos where A >= 0, else the _neg pair
+    -phi(w) A logp, phi(w) = exp(lambda + k log w   vespo_surrogate (surrogate="vespo"), (k,
+    - lambda w): a detached weight of the sequence  lambda) = vespo_k_pos, vespo_lambda_pos
+    ratio w = prod_t r_t                            where A >= 0, else the _neg pair
   DeepSeek-V3.2 (2025)
-    r x KL: weighted by the ratio, the KL's gradient stays      use_bias_correction_kl
-    unbiased off-policy
-    drop a sequence with A < 0 whose mean log(pi_sampler / pi)  off_policy_mask_threshold
-    over its tokens exceeds delta (eq. 9)
+    r x KL: weighted by the ratio, the KL's         kl_penalty(bias_correction=True)
+    gradient stays unbiased off-policy              (use_bias_correction_kl)
+    drop a sequence with A < 0 whose mean           off_policy_mask
+    log(pi_sampler / pi) over its tokens exceeds    (off_policy_mask_threshold)
+    delta (eq. 9)
   Beyond the 80/20 rule (Wang et al. 2025)
-    the policy term only on the top rho share of tokens by      entropy_threshold, then entropy_mask
-    entropy, the few 'forking' tokens where the answer turns
+    the policy term only on the top rho share of    entropy_threshold, then entropy_mask
+    tokens by entropy, the few 'forking' tokens
+    where the answer turns
   Entropy bonus (verl's entropy_coeff)
-    - coef x the mean token entropy of the step                 entropy_coef
+    - coef x the mean token entropy of the step     entropy_coef
   TIS (Yao et al. 2025), MIS / IcePop (Ling team 2025)
-    the sampler's log-probs (bf16, another engine) are not the  sampler_correction="token_truncate" etc.,
-    trainer's: weight each token by rho = pi_old / pi_sampler   sampler_correction_clip_min/max
-    (or its product over the sequence), capped or zeroed
+    the sampler's log-probs (bf16, another engine)  sampler_weight (sampler_correction=
+    are not the trainer's: weight each token by     "token_truncate" etc.,
+    rho = pi_old / pi_sampler (or its product over  sampler_correction_clip_min/max)
+    the sequence), capped or zeroed
   RLOO (Ahmadian et al. 2024), REINFORCE++ (Hu 2025)
-    baseline = mean of the other G-1 rewards; or the group      group_advantages(estimator="rloo"),
-    mean, then whitened over the whole batch                    (estimator="reinforce_pp")
+    baseline = mean of the other G-1 rewards; or    group_advantages(estimator="rloo"),
+    the group mean, then whitened over the batch    (estimator="reinforce_pp")
   GDPO (2026)
-    each reward function normalised in its group, then the      decoupled_advantages
-    weighted sum normalised over the batch
+    each reward function normalised in its group,   decoupled_advantages
+    then the weighted sum normalised over the batch
 
-Where the KL goes. The GRPO paper adds beta * KL to the loss, per token, instead of subtracting it from the reward
-as PPO for RLHF does. That keeps the advantage a pure group-relative reward signal (a penalty folded into the
-reward would be centred and divided by the group's std along with it, and spread evenly over every token of the
-sequence), and the regulariser gets its own exact per-token gradient. The PPO placement is still one line in the
-trainer (kl_in_reward=True): rewards = rewards - beta * (kl_divergence(...) * mask).sum(-1), computed without
-gradient before group_advantages, after which grpo_loss runs with beta=0.
+Where the KL goes. The GRPO paper adds beta * KL to the loss, per token, instead of subtracting it
+from the reward as PPO for RLHF does. That keeps the advantage a pure group-relative reward signal
+(a penalty folded into the reward would be centred and divided by the group's std along with it,
+and spread evenly over every token of the sequence), and the regulariser gets its own exact
+per-token gradient. The PPO placement is still one line in the trainer (kl_in_reward=True):
+rewards = rewards - beta * (kl_divergence(...) * mask).sum(-1), computed without gradient before
+group_advantages, after which grpo_loss runs with beta=0.
 
-Micro-batching contract. An optimizer step may span many micro-batches on many ranks. grpo_loss returns this
-micro-batch's share of the whole step's objective: summing the gradients of every micro-batch on every rank gives
-exactly the gradient of the step objective, provided num_sequences and num_tokens count the whole step (they
-default to this micro-batch's, i.e. one micro-batch per step). DDP averages gradients over ranks, so the trainer
-multiplies the loss by world_size before backward.
+Micro-batching contract. An optimizer step may span many micro-batches on many ranks. grpo_loss
+returns this micro-batch's share of the whole step's objective: summing the gradients of every
+micro-batch on every rank gives exactly the gradient of the step objective, provided num_sequences
+and num_tokens count the whole step (they default to this micro-batch's, i.e. one micro-batch per
+step). DDP averages gradients over ranks, so the trainer multiplies the loss by world_size before
+backward.
 """
 
 import functools
@@ -79,59 +101,6 @@ from lib.errors import ConfigError
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def check_settings(s, combinations=True):
-    """Refuse loss settings that cannot work, one line naming the setting: s is a dict of some of them (train.py's
-    whole config before any work; grpo_loss and group_advantages check their own arguments with it too). Besides
-    grpo_loss's settings (settings()) it knows the advantages' and the trainer's that the loss depends on:
-    scale_rewards, advantage_estimator, multi_objective_aggregation, kl_in_reward, top_entropy_quantile.
-    combinations=False checks each value alone, not the pairs that would leave one of them ignored."""
-    def need(ok, message):
-        if not ok:
-            raise ConfigError(message)
-    choices = dict(loss_type=LOSS_TYPES, scale_rewards=("group", "batch", "none"),
-                   advantage_estimator=ADVANTAGE_ESTIMATORS, surrogate=("clip", "cispo", "sapo", "vespo"),
-                   importance_sampling_level=("token", "sequence"), kl_estimator=("k1", "k2", "k3"),
-                   sampler_correction=SAMPLER_CORRECTIONS,
-                   multi_objective_aggregation=("sum_then_normalize", "normalize_then_sum"))
-    for key, valid in choices.items():
-        need(key not in s or s[key] in valid, f"unknown {key} '{s.get(key)}'; choose one of {', '.join(valid)}")
-    get = lambda key: s.get(key, settings().get(key))  # a setting not given: its default
-    for key in ("beta", "epsilon_low", "epsilon_high", "vespo_k_pos", "vespo_k_neg"):
-        need(get(key) >= 0, f"{key}={get(key)} must be >= 0")
-    for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg",
-                "sampler_correction_clip_max"):
-        need(get(key) > 0, f"{key}={get(key)} must be > 0")
-    need(0 < s.get("top_entropy_quantile", 1) <= 1, f"top_entropy_quantile={s.get('top_entropy_quantile')} must be "
-                                                    f"in (0, 1]; 1 = off (every token)")
-    need(math.isfinite(get("entropy_coef")), f"entropy_coef={get('entropy_coef')} must be a finite number")
-    low, high = get("sampler_correction_clip_min"), get("sampler_correction_clip_max")
-    need(low is None or 0 <= low < high, f"sampler_correction_clip_min={low} must be None or in [0, "
-                                         f"sampler_correction_clip_max={high})")
-    mask = get("off_policy_mask_threshold")
-    need(mask is None or mask >= 0, f"off_policy_mask_threshold={mask} must be None or >= 0 (a mean log-ratio)")
-    if not combinations:
-        return
-    beta, kl_in_reward, delta = get("beta"), s.get("kl_in_reward", False), get("delta")
-    need(not (kl_in_reward and beta == 0), "kl_in_reward=True needs beta > 0 (the KL coefficient)")
-    need(delta is None or delta > 1 + get("epsilon_high"),
-         f"delta={delta} must be None or > 1 + epsilon_high (it caps the ratio above the clip range)")
-    # settings that would be silently ignored, or that contradict another
-    need(delta is None or get("surrogate") == "clip",
-         f"delta caps PPO's clipped ratio; surrogate='{get('surrogate')}' has none: set delta=None")
-    need(not (get("surrogate") == "vespo" and get("importance_sampling_level") == "sequence"),
-         "surrogate='vespo' weighs each sequence by its whole ratio already; set importance_sampling_level='token'")
-    need(not get("use_bias_correction_kl") or beta > 0 and not kl_in_reward,
-         "use_bias_correction_kl=True weighs the KL term of the loss: it needs beta > 0 and kl_in_reward=False")
-    scale, estimator = s.get("scale_rewards", "none"), s.get("advantage_estimator", "grpo")
-    gdpo = s.get("multi_objective_aggregation") == "normalize_then_sum"
-    for name, on in (("reinforce_pp", estimator == "reinforce_pp"), ("normalize_then_sum", gdpo)):
-        need(not on or scale == "none", f"{name} normalises the advantages over the batch itself; scale_rewards="
-                                        f"'{scale}' would scale twice: set scale_rewards='none'")
-    need(not gdpo or estimator == "grpo" and not kl_in_reward,
-         "multi_objective_aggregation='normalize_then_sum' (GDPO) normalises each reward function in its group: it "
-         "takes advantage_estimator='grpo' and kl_in_reward=False")
 
 
 def _mean_std(x, valid):
@@ -222,145 +191,355 @@ def kl_divergence(logps, ref_logps, estimator="k3"):
     return torch.exp(log_ratio) - log_ratio - 1  # unbiased and >= 0: the GRPO paper's choice
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo", beta=0.0, epsilon_low=0.2,
-              epsilon_high=0.2, delta=None, surrogate="clip", importance_sampling_level="token", kl_estimator="k3",
-              max_completion_length=None, num_sequences=None, num_tokens=None, sapo_temperature_pos=1.0,
-              sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-              use_bias_correction_kl=False, sampler_logps=None, off_policy_mask_threshold=None,
-              sampler_correction="none", sampler_correction_clip_min=None, sampler_correction_clip_max=3.0,
-              entropy=None, entropy_coef=0.0, entropy_mask=None):
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo", beta=0.0,
+              epsilon_low=0.2, epsilon_high=0.2, delta=None, surrogate="clip",
+              importance_sampling_level="token", kl_estimator="k3", max_completion_length=None,
+              num_sequences=None, num_tokens=None, sapo_temperature_pos=1.0,
+              sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+              vespo_lambda_neg=2.0, use_bias_correction_kl=False, sampler_logps=None,
+              off_policy_mask_threshold=None, sampler_correction="none",
+              sampler_correction_clip_min=None, sampler_correction_clip_max=3.0, entropy=None,
+              entropy_coef=0.0, entropy_mask=None):
     """
-    logps, old_logps, ref_logps, mask: (B, T); advantages: (B,). old_logps=None means on-policy (a single update
-    per batch of rollouts); ref_logps may be None only when beta == 0. mask may be bool or float (nonzero counts).
-    For surrogate="cispo", epsilon_high is the absolute cap on the IS weight (e.g. 5.0), not 1 + eps.
-    max_completion_length is Dr. GRPO's constant; it defaults to T, which is only right when every micro-batch is
-    padded to the generation limit. num_sequences / num_tokens count the whole optimizer step (see the module doc).
-    sampler_logps (B, T): the log-probs the sampler reported, when the trainer recomputed old_logps (they default to
-    old_logps): the off-policy mask and sampler_correction compare against them. entropy (B, T): each token's
-    entropy, differentiable, for the bonus and the stats; entropy_mask (B, T) bool: the tokens the policy term keeps
-    (see entropy_threshold). Off-policy masking, entropy_mask and sampler_correction weigh the policy term only;
-    dropped tokens still count in the normalisers. use_bias_correction_kl changes the KL's gradient even on-policy,
-    where r = 1 in value: d(r KL) = KL d(logp) + d(KL).
-    Returns (loss, stats): a scalar and a dict of detached 0-dim tensors, fractions over this micro-batch's tokens.
+    The loss of one micro-batch in four stages: the ratio, the policy term on it, the KL to the
+    reference, then the aggregation over tokens.
+
+    logps, old_logps, ref_logps, mask: (B, T); advantages: (B,). old_logps=None means on-policy (a
+    single update per batch of rollouts); ref_logps may be None only when beta == 0. mask may be
+    bool or float (nonzero counts). For surrogate="cispo", epsilon_high is the absolute cap on the
+    IS weight (e.g. 5.0), not 1 + eps. max_completion_length is Dr. GRPO's constant; it defaults to
+    T, which is only right when every micro-batch is padded to the generation limit. num_sequences
+    / num_tokens count the whole optimizer step (see the module doc). sampler_logps (B, T): the
+    log-probs the sampler reported, when the trainer recomputed old_logps (they default to
+    old_logps): the off-policy mask and sampler_correction compare against them. entropy (B, T):
+    each token's entropy, differentiable, for the bonus and the stats; entropy_mask (B, T) bool: the
+    tokens the policy term keeps (see entropy_threshold). Off-policy masking, entropy_mask and
+    sampler_correction weigh the policy term only; dropped tokens still count in the normalisers.
+    use_bias_correction_kl changes the KL's gradient even on-policy, where r = 1 in value:
+    d(r KL) = KL d(logp) + d(KL).
+    Returns (loss, stats): a scalar and a dict of detached 0-dim tensors, fractions over this
+    micro-batch's tokens.
     """
     args = locals()  # the arguments, before anything else is defined here
     check_settings({k: args[k] for k in settings()}, combinations=False)
-    if beta != 0 and ref_logps is None:
-        raise ValueError(f"beta={beta} needs ref_logps from a reference model; pass them or set beta=0")
-    if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
-        raise ValueError(f"shapes do not match: logps {tuple(logps.shape)}, mask {tuple(mask.shape)}, "
-                         f"advantages {tuple(advantages.shape)}; expected (B, T), (B, T), (B,)")
+    check_inputs(logps, ref_logps, advantages, mask, beta)
     B, T = logps.shape
     valid = mask.bool()  # (B, T)
     lengths = valid.sum(-1)  # (B,)
+    A = advantages[:, None]  # (B, 1)
 
-    # Importance ratio. On-policy, old_logp is logp itself with the gradient cut: x - x.detach() is 0 in value but
-    # carries the gradient of x, so r is exactly 1 (the clip never fires) and grad r = grad logp, the policy gradient.
+    # 1. The ratio. On-policy, old_logp is logp itself with the gradient cut, so r is exactly 1 in
+    # value (the clip never fires) while grad r = grad logp: the plain policy gradient.
     if old_logps is None:
         old_logps = logps.detach()
     reported = sampler_logps is not None
     sampler_logps = old_logps.detach() if sampler_logps is None else sampler_logps
-    token_log_ratio = torch.where(valid, logps - old_logps, 0.0)  # (B, T) masked before exp: no inf * 0 = NaN
-    log_ratio = token_log_ratio
-    if importance_sampling_level == "sequence":
-        seq_log_ratio = log_ratio.sum(-1, keepdim=True) / lengths.clamp(min=1)[:, None]  # (B, 1) log s_i
-        log_ratio = seq_log_ratio.detach() + log_ratio - log_ratio.detach()  # value log s_i, gradient per token
-    ratio = torch.exp(log_ratio)  # (B, T)
+    ratio, token_log_ratio = importance_ratio(logps, old_logps, valid, importance_sampling_level)
 
-    A = advantages[:, None]  # (B, 1)
-    clipped_low = clipped_high = torch.zeros_like(valid)  # the soft surrogates have no clipped region
+    # 2. The policy term: PPO's clip or one of its successors
     if surrogate == "clip":
-        # dual clip (= verl's clip_ratio_c): cap the ratio the min can pick; with delta > 1 + epsilon_high it only
-        # binds for A < 0, where a stale token with a huge ratio would otherwise get an unbounded loss
-        unclipped = ratio if delta is None else ratio.clamp(max=delta)
-        per_token = -torch.min(unclipped * A, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * A)  # (B, T)
-        clipped_low = (ratio < 1 - epsilon_low) & (A < 0)  # where the min picks the constant: zero gradient
-        clipped_high = (ratio > 1 + epsilon_high) & (A > 0)
-    elif surrogate == "cispo":  # CISPO's weight has no lower cap
-        per_token = -ratio.clamp(max=epsilon_high).detach() * A * logps  # (B, T)
-        clipped_high = ratio > epsilon_high
-    elif surrogate == "sapo":  # gradient 4 sig (1 - sig) r A: A at r = 1, then a smooth decay instead of a cliff
-        tau = torch.where(A > 0, A.new_tensor(sapo_temperature_pos), A.new_tensor(sapo_temperature_neg))  # (B, 1)
-        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A  # (B, T)
-    else:  # vespo: the sequence's whole ratio w, reshaped by phi (1 at w = 1) into a bounded weight, no gradient
-        log_w = token_log_ratio.clamp(-20, 20).sum(-1, keepdim=True).clamp(math.log(1e-8), 20).detach()  # (B, 1)
-        k = torch.where(A >= 0, A.new_tensor(vespo_k_pos), A.new_tensor(vespo_k_neg))  # (B, 1)
-        lam = torch.where(A >= 0, A.new_tensor(vespo_lambda_pos), A.new_tensor(vespo_lambda_neg))  # (B, 1)
-        phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)  # (B, 1) non-finite -> 0
-        per_token = -phi * A * logps  # (B, T)
-
-    # What weighs or drops a token's policy term (the KL below keeps every token)
-    sampler_gap = torch.where(valid, old_logps.detach() - sampler_logps, 0.0)  # (B, T) log(pi_old / pi_sampler)
+        term = clipped_surrogate(ratio, A, epsilon_low, epsilon_high, delta)
+    elif surrogate == "cispo":
+        term = cispo_surrogate(ratio, A, logps, epsilon_high)
+    elif surrogate == "sapo":
+        term = sapo_surrogate(ratio, A, sapo_temperature_pos, sapo_temperature_neg)
+    else:
+        term = vespo_surrogate(token_log_ratio, A, logps, vespo_k_pos, vespo_lambda_pos,
+                               vespo_k_neg, vespo_lambda_neg)
+    per_token, clipped_low, clipped_high = term
+    # then what weighs or drops a token's policy term; the KL below keeps every token
+    sampler_gap = torch.where(valid, old_logps.detach() - sampler_logps, 0.0)  # log(pi_old / pi_s)
     if sampler_correction != "none":
-        # the token's own, or the product over the sequence's tokens
-        log_rho = sampler_gap.sum(-1, keepdim=True) if sampler_correction.startswith("sequence") else sampler_gap
-        rho = log_rho.clamp(max=20).exp()  # no inf: e^20 is far past any cap
-        low = 0.0 if sampler_correction_clip_min is None else sampler_correction_clip_min
-        if sampler_correction.endswith("truncate"):  # TIS: a capped weight keeps the variance bounded
-            rho = rho.clamp(low, sampler_correction_clip_max)
-        else:  # MIS / IcePop: a token (or sequence) the two disagree on too much is dropped, not down-weighted
-            rho = torch.where((rho >= low) & (rho <= sampler_correction_clip_max), rho, 0.0)
+        rho = sampler_weight(sampler_gap, sampler_correction, sampler_correction_clip_min,
+                             sampler_correction_clip_max)
         per_token = per_token * rho
-    if off_policy_mask_threshold is not None:  # DeepSeek-V3.2: a stale negative sample teaches the wrong lesson
-        drift = _mean_std(sampler_logps - logps.detach(), valid)[0]  # (B, 1) mean log(pi_sampler / pi)
-        off_policy = (A < 0) & (drift > off_policy_mask_threshold)  # (B, 1)
+    if off_policy_mask_threshold is not None:
+        off_policy = off_policy_mask(sampler_logps, logps, valid, A, off_policy_mask_threshold)
         per_token = torch.where(off_policy, 0.0, per_token)
-    if entropy_mask is not None:  # 80/20: only the high-entropy ("forking") tokens
+    if entropy_mask is not None:  # Beyond the 80/20 rule: only the high-entropy, forking tokens
         per_token = torch.where(entropy_mask, per_token, 0.0)
 
-    kl = torch.zeros_like(logps) if ref_logps is None else kl_divergence(logps, ref_logps, kl_estimator)  # (B, T)
-    if use_bias_correction_kl:  # DeepSeek-V3.2: tokens drawn from pi_old estimate KL under pi only once weighted
-        kl = torch.exp(token_log_ratio) * kl  # by the token's own ratio, at either level: what makes it unbiased
+    # 3. The KL to the reference, on every token
+    kl = kl_penalty(logps, ref_logps, token_log_ratio, kl_estimator, use_bias_correction_kl)
     per_token = torch.where(valid, per_token + beta * kl, 0.0)  # (B, T)
 
-    # Aggregation. Step-wide counts are clamped so that an all-masked batch gives a zero loss, not NaN.
+    # 4. The aggregation. Step-wide counts are clamped so that an all-masked batch gives 0, not NaN.
     num_sequences = torch.as_tensor(B if num_sequences is None else num_sequences).clamp(min=1)
     num_tokens = torch.as_tensor(lengths.sum() if num_tokens is None else num_tokens).clamp(min=1)
     max_completion_length = T if max_completion_length is None else max_completion_length
-    token_sum = per_token.sum(-1)  # (B,)
-    if loss_type == "grpo":  # mean over sequences of token means: a token of a short sequence weighs more
-        loss = (token_sum / lengths.clamp(min=1)).sum() / num_sequences
-    elif loss_type == "bnpo":  # token mean of this micro-batch; the step objective is the mean over (equal-sized)
-        # micro-batches of their token means, so unlike the others it depends on how the step is split
-        loss = token_sum.sum() / lengths.sum().clamp(min=1) * B / num_sequences
-    elif loss_type == "dr_grpo":  # a constant divisor: every token weighs the same, whatever its sequence's length
-        loss = token_sum.sum() / (num_sequences * max_completion_length)
-    elif loss_type == "dapo":  # every token of the step weighs the same
-        loss = token_sum.sum() / num_tokens
-    else:  # luspo: mean over sequences of (sequence loss = its token mean) x its length, i.e. of its token sum
-        loss = token_sum.sum() / num_sequences
+    loss = aggregate(per_token, lengths, loss_type, num_sequences, num_tokens,
+                     max_completion_length)
     if entropy_coef != 0:  # a bonus on the step's mean token entropy, the same for every loss_type
         loss = loss - entropy_coef * torch.where(valid, entropy, 0.0).sum() / num_tokens
 
-    stats = {
-        "kl": _masked_mean(kl, valid),
-        "clip_ratio/low": _masked_mean(clipped_low, valid),
-        "clip_ratio/high": _masked_mean(clipped_high, valid),
-        "clip_ratio/region": _masked_mean(clipped_low | clipped_high, valid),
-        "ratio/mean": _masked_mean(ratio, valid),
-        "ratio/max": torch.where(valid, ratio, 0.0).max(),  # ratios are > 0, so 0 marks an empty batch
-    }
-    if reported:  # the gap between the log-probs the sampler reported and the trainer's own (bf16
-        # sampling, or the full softmax trained on top-k/top-p samples): their mean distance and
-        # k3's KL(sampler || trainer), in float64, where float32's rounding of exp(x) - x - 1 would
-        # swamp a gap of a few ulps
-        stats["sampler/logp_diff"] = _masked_mean(sampler_gap.abs(), valid)
-        kl_gap = kl_divergence(sampler_logps.double(), old_logps.detach().double())  # (B, T)
-        stats["sampler/kl"] = _masked_mean(kl_gap, valid)
-        stats["sampler/rho_max"] = torch.where(valid, sampler_gap, -math.inf).max().exp()
+    stats = loss_stats(valid, ratio, kl, clipped_low, clipped_high)
+    if reported:
+        stats.update(sampler_stats(valid, sampler_gap, sampler_logps, old_logps))
     if entropy is not None:
         stats["entropy"] = _masked_mean(entropy, valid)
     if off_policy_mask_threshold is not None:
-        stats["off_policy_masked"] = _masked_mean(off_policy.expand_as(valid), valid)  # a share of tokens
+        stats["off_policy_masked"] = _masked_mean(off_policy.expand_as(valid), valid)  # of tokens
     if sampler_correction != "none":
         stats["sampler_correction/weight"] = _masked_mean(rho.expand_as(valid), valid)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
+# -----------------------------------------------------------------------------
+# grpo_loss's stages, in the order it runs them
+
+def importance_ratio(logps, old_logps, valid, level="token"):
+    """
+    The importance ratio r = pi / pi_old of each token, (B, T), and the token log-ratios log r_t
+    (B, T) it comes from, 0 on padding. level="token": each token's own ratio (PPO, GRPO).
+    level="sequence": GSPO's (Zheng et al. 2025) s_i = (pi(o_i) / pi_old(o_i))^(1/|o_i|), the
+    geometric mean of the sequence's token ratios, in its GSPO-token form sg(s_i) r_t / sg(r_t):
+    s_i in value on every token of the sequence, each token's own log-prob in the gradient. With one
+    advantage per sequence that is GSPO's gradient exactly.
+    """
+    # masked before exp, so that padding can never make inf * 0 = NaN
+    token_log_ratio = torch.where(valid, logps - old_logps, 0.0)  # (B, T)
+    log_ratio = token_log_ratio
+    if level == "sequence":
+        lengths = valid.sum(-1)  # (B,)
+        seq_log_ratio = log_ratio.sum(-1, keepdim=True) / lengths.clamp(min=1)[:, None]  # log s_i
+        log_ratio = seq_log_ratio.detach() + log_ratio - log_ratio.detach()
+    return torch.exp(log_ratio), token_log_ratio
+
+
+# Each policy term returns the per-token loss (B, T) and where a clip took the gradient away, below
+# and above the range (B, T) bool, for the stats.
+
+def clipped_surrogate(ratio, A, epsilon_low, epsilon_high, delta=None):
+    """
+    PPO's clipped surrogate as GRPO (Shao et al. 2024) uses it, -min(r A, clip(r, 1 - epsilon_low,
+    1 + epsilon_high) A), with DAPO's clip-higher (Yu et al. 2025: epsilon_high above epsilon_low)
+    and the dual clip (Ye et al. 2020; verl's clip_ratio_c): with A < 0 the ratio is capped at
+    delta. A: (B, 1) advantages.
+    """
+    # delta caps the ratio the min can pick; with delta > 1 + epsilon_high it only binds for A < 0,
+    # where a stale token with a huge ratio would otherwise get an unbounded loss
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    per_token = -torch.min(unclipped * A, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * A)
+    clipped_low = (ratio < 1 - epsilon_low) & (A < 0)  # where the min picks the constant
+    clipped_high = (ratio > 1 + epsilon_high) & (A > 0)
+    return per_token, clipped_low, clipped_high
+
+
+def cispo_surrogate(ratio, A, logps, cap):
+    """
+    CISPO (MiniMax-M1, 2025): -sg(min(r, cap)) A logp. It clips the importance weight, not the
+    update, so a token past the cap still gets a gradient; the weight has no lower cap.
+    """
+    per_token = -ratio.clamp(max=cap).detach() * A * logps
+    return per_token, torch.zeros_like(ratio, dtype=torch.bool), ratio > cap
+
+
+def sapo_surrogate(ratio, A, temperature_pos, temperature_neg):
+    """
+    SAPO (Gao et al. 2025): -(4 / tau) sigmoid(tau (r - 1)) A, a soft gate instead of a hard clip,
+    tau = temperature_pos where A > 0, else temperature_neg. Its gradient, 4 sig (1 - sig) r A, is
+    PPO's at r = 1 and then decays smoothly instead of falling off a cliff: nothing is clipped.
+    """
+    tau = torch.where(A > 0, A.new_tensor(temperature_pos), A.new_tensor(temperature_neg))  # (B, 1)
+    per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A
+    no_clip = torch.zeros_like(ratio, dtype=torch.bool)
+    return per_token, no_clip, no_clip
+
+
+def vespo_surrogate(token_log_ratio, A, logps, k_pos, lambda_pos, k_neg, lambda_neg):
+    """
+    VESPO (2026): -phi(w) A logp, with w = prod_t r_t the sequence's whole ratio and
+    phi(w) = exp(lambda + k log w - lambda w), a bounded weight that is 1 at w = 1 and carries no
+    gradient; (k, lambda) is (k_pos, lambda_pos) where A >= 0, else (k_neg, lambda_neg).
+    """
+    log_w = token_log_ratio.clamp(-20, 20).sum(-1, keepdim=True).clamp(math.log(1e-8), 20).detach()
+    k = torch.where(A >= 0, A.new_tensor(k_pos), A.new_tensor(k_neg))  # (B, 1)
+    lam = torch.where(A >= 0, A.new_tensor(lambda_pos), A.new_tensor(lambda_neg))  # (B, 1)
+    # a weight that overflows is a sequence too far off to learn from: 0, not inf or NaN
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)  # (B, 1)
+    per_token = -phi * A * logps
+    no_clip = torch.zeros_like(logps, dtype=torch.bool)
+    return per_token, no_clip, no_clip
+
+
+def sampler_weight(sampler_gap, correction, clip_min, clip_max):
+    """
+    TIS (Yao et al. 2025), MIS / IcePop (Ling team 2025): the sampler's log-probs (bf16, another
+    engine) are not the trainer's, so each token's policy term is weighed by rho = pi_old /
+    pi_sampler, the token's own ("token_...") or the product over its sequence ("sequence_...").
+    "..._truncate" caps rho at [clip_min, clip_max]; "..._mask" zeroes it outside that range.
+    sampler_gap: (B, T) log(pi_old / pi_sampler), 0 on padding. Returns rho, (B, T) or (B, 1).
+    """
+    sequence = correction.startswith("sequence")
+    log_rho = sampler_gap.sum(-1, keepdim=True) if sequence else sampler_gap
+    rho = log_rho.clamp(max=20).exp()  # no inf: e^20 is far past any cap
+    low = 0.0 if clip_min is None else clip_min
+    if correction.endswith("truncate"):  # TIS: a capped weight keeps the variance bounded
+        return rho.clamp(low, clip_max)
+    # MIS / IcePop: where the two disagree too much the token is dropped, not down-weighted
+    return torch.where((rho >= low) & (rho <= clip_max), rho, 0.0)
+
+
+def off_policy_mask(sampler_logps, logps, valid, A, threshold):
+    """
+    DeepSeek-V3.2 (2025, eq. 9): a sequence with A < 0 whose mean log(pi_sampler / pi) over its
+    tokens exceeds threshold is dropped, since a stale negative sample teaches the wrong lesson.
+    Returns (B, 1) bool, True for a dropped sequence.
+    """
+    drift = _mean_std(sampler_logps - logps.detach(), valid)[0]  # (B, 1)
+    return (A < 0) & (drift > threshold)
+
+
+def kl_penalty(logps, ref_logps, token_log_ratio, estimator="k3", bias_correction=False):
+    """
+    The KL regulariser GRPO (Shao et al. 2024) adds to each token's loss (times beta), (B, T): 0
+    without a reference. bias_correction: DeepSeek-V3.2's (2025) r x KL, since tokens drawn from
+    pi_old estimate the KL under pi only once weighted by their own ratio, at either level.
+    """
+    if ref_logps is None:
+        return torch.zeros_like(logps)
+    kl = kl_divergence(logps, ref_logps, estimator)
+    return torch.exp(token_log_ratio) * kl if bias_correction else kl
+
+
+def aggregate(per_token, lengths, loss_type, num_sequences, num_tokens, max_completion_length):
+    """
+    The loss from the per-token terms (B, T), 0 on padding: what each token is divided by.
+    grpo (DeepSeekMath): the mean over sequences of their token means, so a token of a short
+    sequence weighs more. bnpo (TRL's): this micro-batch's token mean; the step objective is the
+    mean over (equal-sized) micro-batches of their token means, so unlike the others it depends on
+    how the step is split. dr_grpo (Dr. GRPO): a constant divisor, num_sequences x
+    max_completion_length, so every token weighs the same whatever its sequence's length. dapo
+    (DAPO): the step's token count, every token of the step the same. luspo (LUSPO): the mean over
+    sequences of (sequence loss = its token mean) x its length, i.e. of its token sum.
+    """
+    token_sum = per_token.sum(-1)  # (B,)
+    if loss_type == "grpo":
+        loss = (token_sum / lengths.clamp(min=1)).sum() / num_sequences
+    elif loss_type == "bnpo":
+        loss = token_sum.sum() / lengths.sum().clamp(min=1) * len(lengths) / num_sequences
+    elif loss_type == "dr_grpo":
+        loss = token_sum.sum() / (num_sequences * max_completion_length)
+    elif loss_type == "dapo":
+        loss = token_sum.sum() / num_tokens
+    else:  # luspo
+        loss = token_sum.sum() / num_sequences
+    return loss
+
+
+def loss_stats(valid, ratio, kl, clipped_low, clipped_high):
+    """What grpo_loss logs of every micro-batch: means over its valid tokens, the largest ratio."""
+    return {
+        "kl": _masked_mean(kl, valid),
+        "clip_ratio/low": _masked_mean(clipped_low, valid),
+        "clip_ratio/high": _masked_mean(clipped_high, valid),
+        "clip_ratio/region": _masked_mean(clipped_low | clipped_high, valid),
+        "ratio/mean": _masked_mean(ratio, valid),
+        "ratio/max": torch.where(valid, ratio, 0.0).max(),  # ratios are > 0: 0 marks an empty batch
+    }
+
+
+def sampler_stats(valid, sampler_gap, sampler_logps, old_logps):
+    """
+    The gap between the log-probs the sampler reported and the trainer's own (bf16 sampling, or the
+    full softmax trained on top-k/top-p samples): their mean distance and k3's KL(sampler ||
+    trainer), in float64, where float32's rounding of exp(x) - x - 1 would swamp a gap of a few
+    ulps.
+    """
+    kl_gap = kl_divergence(sampler_logps.double(), old_logps.detach().double())  # (B, T)
+    return {"sampler/logp_diff": _masked_mean(sampler_gap.abs(), valid),
+            "sampler/kl": _masked_mean(kl_gap, valid),
+            "sampler/rho_max": torch.where(valid, sampler_gap, -math.inf).max().exp()}
+
+
+# -----------------------------------------------------------------------------
+# the checks: settings that cannot work, refused before any work with one line that names them
+
+def check_inputs(logps, ref_logps, advantages, mask, beta):
+    """grpo_loss's tensors fit together: a ValueError naming them otherwise."""
+    if beta != 0 and ref_logps is None:
+        raise ValueError(f"beta={beta} needs ref_logps from a reference model; pass them or set "
+                         f"beta=0")
+    if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
+        raise ValueError(f"shapes do not match: logps {tuple(logps.shape)}, mask "
+                         f"{tuple(mask.shape)}, advantages {tuple(advantages.shape)}; expected "
+                         f"(B, T), (B, T), (B,)")
+
+
+def check_settings(s, combinations=True):
+    """
+    Refuse loss settings that cannot work, one line naming the setting: s is a dict of some of them
+    (train.py's whole config before any work; grpo_loss and group_advantages check their own
+    arguments with it too). Besides grpo_loss's settings (settings()) it knows the advantages' and
+    the trainer's that the loss depends on: scale_rewards, advantage_estimator,
+    multi_objective_aggregation, kl_in_reward, top_entropy_quantile. combinations=False checks each
+    value alone, not the pairs that would leave one of them ignored.
+    """
+    def need(ok, message):
+        if not ok:
+            raise ConfigError(message)
+    choices = dict(loss_type=LOSS_TYPES, scale_rewards=("group", "batch", "none"),
+                   advantage_estimator=ADVANTAGE_ESTIMATORS,
+                   surrogate=("clip", "cispo", "sapo", "vespo"),
+                   importance_sampling_level=("token", "sequence"), kl_estimator=("k1", "k2", "k3"),
+                   sampler_correction=SAMPLER_CORRECTIONS,
+                   multi_objective_aggregation=("sum_then_normalize", "normalize_then_sum"))
+    for key, valid in choices.items():
+        need(key not in s or s[key] in valid,
+             f"unknown {key} '{s.get(key)}'; choose one of {', '.join(valid)}")
+    get = lambda key: s.get(key, settings().get(key))  # a setting not given: its default
+    for key in ("beta", "epsilon_low", "epsilon_high", "vespo_k_pos", "vespo_k_neg"):
+        need(get(key) >= 0, f"{key}={get(key)} must be >= 0")
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos",
+                "vespo_lambda_neg", "sampler_correction_clip_max"):
+        need(get(key) > 0, f"{key}={get(key)} must be > 0")
+    quantile = s.get("top_entropy_quantile", 1)
+    need(0 < quantile <= 1, f"top_entropy_quantile={s.get('top_entropy_quantile')} must be in "
+                            f"(0, 1]; 1 = off (every token)")
+    need(math.isfinite(get("entropy_coef")),
+         f"entropy_coef={get('entropy_coef')} must be a finite number")
+    low, high = get("sampler_correction_clip_min"), get("sampler_correction_clip_max")
+    need(low is None or 0 <= low < high, f"sampler_correction_clip_min={low} must be None or in "
+                                         f"[0, sampler_correction_clip_max={high})")
+    mask = get("off_policy_mask_threshold")
+    need(mask is None or mask >= 0,
+         f"off_policy_mask_threshold={mask} must be None or >= 0 (a mean log-ratio)")
+    if not combinations:
+        return
+    beta, kl_in_reward, delta = get("beta"), s.get("kl_in_reward", False), get("delta")
+    need(not (kl_in_reward and beta == 0), "kl_in_reward=True needs beta > 0 (the KL coefficient)")
+    need(delta is None or delta > 1 + get("epsilon_high"),
+         f"delta={delta} must be None or > 1 + epsilon_high (it caps the ratio above the clip "
+         f"range)")
+    # settings that would be silently ignored, or that contradict another
+    need(delta is None or get("surrogate") == "clip",
+         f"delta caps PPO's clipped ratio; surrogate='{get('surrogate')}' has none: set delta=None")
+    need(not (get("surrogate") == "vespo" and get("importance_sampling_level") == "sequence"),
+         "surrogate='vespo' weighs each sequence by its whole ratio already; set "
+         "importance_sampling_level='token'")
+    need(not get("use_bias_correction_kl") or beta > 0 and not kl_in_reward,
+         "use_bias_correction_kl=True weighs the KL term of the loss: it needs beta > 0 and "
+         "kl_in_reward=False")
+    scale, estimator = s.get("scale_rewards", "none"), s.get("advantage_estimator", "grpo")
+    gdpo = s.get("multi_objective_aggregation") == "normalize_then_sum"
+    for name, on in (("reinforce_pp", estimator == "reinforce_pp"), ("normalize_then_sum", gdpo)):
+        need(not on or scale == "none",
+             f"{name} normalises the advantages over the batch itself; scale_rewards='{scale}' "
+             f"would scale twice: set scale_rewards='none'")
+    need(not gdpo or estimator == "grpo" and not kl_in_reward,
+         "multi_objective_aggregation='normalize_then_sum' (GDPO) normalises each reward function "
+         "in its group: it takes advantage_estimator='grpo' and kl_in_reward=False")
+
+
 @functools.lru_cache(maxsize=1)
 def settings():
-    """grpo_loss's settings by name, with their defaults, written once, in its signature: train.py's config takes
-    them from here. The tensors and the step's counts are arguments, not settings."""
-    per_step = ("max_completion_length", "num_sequences", "num_tokens", "sampler_logps", "entropy", "entropy_mask")
+    """
+    grpo_loss's settings by name, with their defaults, written once, in its signature:
+    check_settings fills in a setting not given from here, and tests/test_config.py checks that
+    train.py declares each with this default. The tensors and the step's counts are arguments, not
+    settings.
+    """
+    per_step = ("max_completion_length", "num_sequences", "num_tokens", "sampler_logps", "entropy",
+                "entropy_mask")
     return {name: p.default for name, p in inspect.signature(grpo_loss).parameters.items()
             if p.kind is p.KEYWORD_ONLY and name not in per_step}
