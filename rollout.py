@@ -130,10 +130,10 @@ def is_flat(rewards, G):
 
 def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
     """
-    Rollouts of this rank's prompts of iteration `it` (step_rows; dynamic sampling adds extra_rows). Returns
-    (batch, info): batch as in the module docstring (on the model's device), info with the rewards, each reward
-    function's values ('scores' (B, functions), NaN where one does not apply; the first is the accuracy), lengths,
-    counts and the seconds of each phase, for logging.
+    Rollouts of this rank's prompts of iteration `it` (step_rows; dynamic sampling adds extra_rows).
+    Returns (batch, info): batch as in the module docstring (on the model's device), info with the
+    rewards, each reward function's values ('scores' (B, functions), NaN where one does not apply),
+    lengths, counts and the seconds of each phase, for logging.
     """
     G = cfg.num_generations
     device = next(model.parameters()).device
@@ -209,14 +209,17 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     return batch, info
 
 
-def rollout_metrics(info, G, reward_fns, device):
-    """What the log says of a rollout, over all ranks: the rewards (mean, std, each function's mean and spread within
-    a group), the accuracy (the first function's score >= 1), the share of flat groups, completion lengths (also of
-    right and of wrong answers, and their correlation with the reward: a length bias), the truncated share and the
-    sampler's tokens/s."""
+def rollout_metrics(info, G, reward_fns, accuracy, device):
+    """
+    What the log says of a rollout, over all ranks: the rewards (mean, std, each function's mean and
+    spread within a group), the accuracy (the share that `accuracy`, one of reward_fns, scores
+    >= 1), the share of flat groups, completion lengths (also of right and of wrong answers, and
+    their correlation with the reward: a length bias), the truncated share and the sampler's
+    tokens/s.
+    """
     rewards, scores, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
                                            for k in ('rewards', 'scores', 'lengths', 'truncated'))
-    correct = scores[:, 0].nan_to_num() >= 1
+    correct = scores[:, reward_fns.index(accuracy)].nan_to_num() >= 1
     m = dict(reward=rewards.nanmean().item(), reward_std=rewards.std().item(), acc=correct.double().mean().item(),
              flat_groups=is_flat(rewards, G).double().mean().item(), len_mean=lengths.mean().item(),
              len_max=lengths.max().item(), truncated=truncated.mean().item(), dropped_groups=info['dropped_groups'],

@@ -49,11 +49,11 @@ def default_iters(init_from):
     return 0 if os.path.isdir(init_from) or init_from.endswith('.gguf') else 1000
 
 
-def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
+def warm_start(model, raw_model, optimizer, rows, cfg, enc, accuracy, rank):
     """Train `model` (DDP's or FSDP's wrapper of raw_model) on the answers of the train rows with `optimizer`, or
     load the cached result. Every rank takes sft_batch_size / ranks rows a step, the same draws whatever the ranks.
-    With sft_target_acc it ends once greedy accuracy on the first 256 train prompts reaches it (checked every
-    sft_check_interval steps). Rank 0 prints what it did."""
+    With sft_target_acc it ends once greedy accuracy (`accuracy` scores >= 1) on the first 256 train
+    prompts reaches it (checked every sft_check_interval steps). Rank 0 prints what it did."""
     began = time.time()
     spec = json.loads(json.dumps({k: getattr(cfg, k) for k in KEYS}))  # as the JSON file reads back: lists, not tuples
     path = os.path.join(cfg.out_dir, 'warmstart')
@@ -71,7 +71,7 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, reward_fn, rank):
     for i in range(cfg.sft_iters):
         if cfg.sft_target_acc and i and i % cfg.sft_check_interval == 0:
             with gathered(raw_model):  # FSDP: the whole weights for the sampler
-                hits = greedy_hits(raw_model, probe, probe_seeds, cfg, enc, reward_fn)[0]
+                hits = greedy_hits(raw_model, probe, probe_seeds, cfg, enc, accuracy)[0]
             hits, n = all_sum(torch.tensor([hits, len(probe)], dtype=torch.float64)).tolist()  # over all ranks
             if hits / n >= cfg.sft_target_acc:
                 steps = i

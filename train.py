@@ -19,8 +19,8 @@ import torch
 
 from configurator import check_config, check_device, configure, one_line_errors
 from data import load_task
-from evaluate import evaluate, report
-from loss import grpo_loss, settings as loss_settings
+from evaluate import evaluate, report, with_accuracy
+from loss import grpo_loss
 from model import GPT, GPTConfig
 from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask, truncation
 import sft
@@ -49,6 +49,7 @@ chat_template = 'auto'  # init_from's; 'none' (raw prompts), a checkpoint, a .ji
 system_prompt, chat_template_kwargs = None, {}  # a default system message; template keywords
 chat_date = ''  # the day strftime_now writes (YYYY-MM-DD); '' = the run's first, kept on resume
 reward_funcs, reward_weights = (), ()  # reward function names from reward.py and their weights; () = the task's, 1s
+accuracy_func = ''  # what acc and the evals count as right (score >= 1); '' = a verifier (evaluate)
 # rewards from models (reward_model.py), named 'rm:DIR' (a reward model) or 'judge:PATH' (an LLM judge) in reward_funcs
 reward_model_dtype = 'float32'  # their weights' dtype: 'float32', 'bfloat16' or 'float64'
 judge_prompt = ''  # a judge's question, holding {prompt} and {completion} (e.g. reward_model.YES_NO)
@@ -59,8 +60,7 @@ n_layer, n_head, n_embd, block_size = 4, 4, 128, 64
 vocab_size = 0  # 0 = the tokenizer's; more pads the output layer (nanoGPT's 50304), e.g. for benchmarks
 dropout, bias = 0.0, True  # bias: in the Linears and LayerNorms, as GPT-2
 # rollout
-prompts_per_step = 32  # prompts per iteration, over all ranks
-num_generations = 8  # G: completions per prompt
+prompts_per_step, num_generations = 32, 8  # prompts per iteration over all ranks; G, samples each
 max_completion_length = 8
 temperature = 1.0  # sampling temperature; the loss's log-probs use it too, so the ratio is about the same policy
 top_k, top_p = None, None  # sample from the top_k likeliest tokens only, then from the fewest holding top_p of them
@@ -71,8 +71,7 @@ env = ''  # multi-turn: an environment, lib/envs.py's name or 'module:attribute'
 max_turns = 4  # with env: the policy's turns per episode at most (max_completion_length bounds all the tokens)
 tool_workers = 4  # with env: threads running the env.step calls of rows that end a turn at the same step
 sandbox = 'bwrap'  # the python tool's: 'bwrap' (bubblewrap; refused at start where it cannot isolate) or 'none'
-# loss: loss.grpo_loss's keywords (TRL's names), passed to it by name; loss.py maps each to its paper. The defaults
-# are grpo_loss's own (test_config checks), but for the default run's choice of loss_type
+# loss: grpo_loss's settings, TRL's names and grpo_loss's defaults (test_config), loss.py's papers
 loss_type = 'dr_grpo'  # token sum / (sequences x max_completion_length); or 'grpo' (grpo_loss's), 'bnpo', 'dapo'...
 beta = 0.0  # the KL penalty's weight, against the frozen reference policy; 0 = no reference model at all
 kl_estimator = 'k3'  # Schulman's KL estimator: 'k1', 'k2' or 'k3'
@@ -95,22 +94,17 @@ multi_objective_aggregation = 'sum_then_normalize'  # or 'normalize_then_sum' (G
 top_entropy_quantile = 1.0  # 80/20: the policy term on this share of the step's tokens, highest entropy first
 # the warm start (sft.py): supervised steps on the task's answers, so that RL starts from some right ones
 sft_iters = None  # None = up to 1000 from scratch, 0 from a pretrained checkpoint (which needs none)
-sft_batch_size, sft_learning_rate = 64, 1e-3
 sft_target_acc = 0.3  # > 0: stop once greedy accuracy on 256 train prompts reaches it (a fixed count is not robust)
-sft_check_interval = 50  # steps between those checks
+sft_batch_size, sft_learning_rate, sft_check_interval = 64, 1e-3, 50  # a check every 50 steps
 # LoRA (lib/lora.py)
-lora_rank = 0  # 0 = full fine-tuning
-lora_alpha, lora_dropout = 32.0, 0.0  # the adapters' output is scaled by lora_alpha / lora_rank
+lora_rank, lora_alpha, lora_dropout = 0, 32.0, 0.0  # 0 = full fine-tuning; scaled by alpha / rank
 lora_targets = ()  # PEFT's target_modules in the family's names, e.g. ('q_proj', 'v_proj'); () = 'all-linear'
 lora_save_merged = False  # each checkpoint also holds merged/: the base with the adapters merged in (for serving)
 # optimization
-num_iterations = 1  # mu: passes over each rollout batch
-steps_per_generation = 1  # optimizer steps per pass
-micro_batch_size = 64  # completions per forward/backward on each rank
-max_iters = 1200  # rollouts
+num_iterations, steps_per_generation = 1, 1  # mu: passes over each rollout; optimizer steps a pass
+max_iters, micro_batch_size = 1200, 64  # rollouts; completions per forward/backward on each rank
 learning_rate = 1e-4  # RL wants small steps (docs/performance.md: larger ones learnt slower on the default task)
-weight_decay, beta1, beta2 = 0.0, 0.9, 0.99  # AdamW's
-grad_clip = 1.0  # 0 = off
+weight_decay, beta1, beta2, grad_clip = 0.0, 0.9, 0.99, 1.0  # AdamW's; grad norm clip, 0 = off
 warmup_iters = 0  # optimizer steps of linear warmup
 lr_schedule, min_lr_ratio = 'constant', 0.1  # or 'cosine', down to min_lr_ratio * learning_rate
 ref_sync_every = 0  # copy the policy into the reference model every N iterations; 0 = never
@@ -120,12 +114,10 @@ max_bad_steps = 3  # stop after this many non-finite steps in a row
 parallel = 'ddp'  # under torchrun: 'ddp' (replicas) or 'fsdp' (FSDP2: weights, gradients, AdamW state in shards)
 device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = 'float32'  # 'float64' (tests), 'bfloat16'/'float16' (autocast), 'auto' (bf16 where 2x faster: lib/measure.py)
-compile = False
-cuda_graphs = False  # on CUDA, replay generate's decode steps as CUDA graphs (engine.py): no host overhead per token
+compile, cuda_graphs = False, False  # torch.compile; replay generate's decode steps as CUDA graphs
 plain = False  # every speed trick off, its plain reference instead: padded micro-batches, log_softmax(logits).gather
 gradient_checkpointing = False  # recompute each block and the output layer's logits in backward: less memory
-seed = 1337
-peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = measure a matmul at start
+seed, peak_flops = 1337, 0.0  # peak_flops: the peak FLOP/s for MFU; 0 = measure a matmul at start
 
 sys.excepthook = one_line_errors  # bad input is one line, a bug keeps its traceback
 config = configure(globals(), sys.argv[1:])
@@ -148,8 +140,6 @@ autocast = dtype in ('bfloat16', 'float16')
 cfg = SimpleNamespace(**dict(config, device=device, template=template), world_size=world_size, autocast=autocast,
                       ptdtype=getattr(torch, dtype), on_policy=num_iterations == 1 and steps_per_generation == 1)
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
-loss_config = {k: config[k] for k in (*loss_settings(), 'max_completion_length')}  # grpo_loss's, by name
-loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL is in the reward instead
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
@@ -157,7 +147,8 @@ cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer)  # the turn's end firs
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
 cfg.environment = multiturn.environment(env, sandbox, cfg) if env else None
 wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # optional: only when asked for
-train_rows, test_rows, reward_fns, reward_weights = load_task(cfg, enc)
+train_rows, test_rows, *rewards = load_task(cfg, enc)  # then the reward functions and their weights
+reward_fns, reward_weights, accuracy, accuracy_note = with_accuracy(cfg, train_rows, *rewards)
 
 # model
 torch.manual_seed(seed)  # the scratch init: the same weights on every rank and in every run
@@ -203,9 +194,18 @@ def forward_backward(mb, num_sequences, num_tokens):
         logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1], temperature=temperature,
                                entropy=True, lengths=need, pos=mb['pos'], plain=plain, **truncation(cfg))
     old, advantages, sampler = (mb[k].to(logps.dtype) for k in ('old_logps', 'advantages', 'sampler_logps'))
-    loss, stats = grpo_loss(logps, None if cfg.on_policy else old, mb.get('ref_logps'), advantages, mb['mask'],
-                            **loss_config, num_sequences=num_sequences, num_tokens=num_tokens, sampler_logps=sampler,
-                            entropy=entropy, entropy_mask=mb.get('entropy_mask'))
+    loss, stats = grpo_loss(logps, None if cfg.on_policy else old, mb.get('ref_logps'), advantages,
+        mb['mask'], num_sequences=num_sequences, num_tokens=num_tokens, sampler_logps=sampler,
+        entropy=entropy, entropy_mask=mb.get('entropy_mask'), surrogate=surrogate, delta=delta,
+        importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_pos=vespo_lambda_pos, vespo_lambda_neg=vespo_lambda_neg,
+        off_policy_mask_threshold=off_policy_mask_threshold, sampler_correction=sampler_correction,
+        sampler_correction_clip_min=sampler_correction_clip_min, entropy_coef=entropy_coef,
+        sampler_correction_clip_max=sampler_correction_clip_max, kl_estimator=kl_estimator,
+        beta=0.0 if kl_in_reward else beta, use_bias_correction_kl=use_bias_correction_kl,
+        loss_type=loss_type, max_completion_length=max_completion_length)
     (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss contract wants the sum
     (b, T), n = mb['idx'].shape, int(need.sum())
     return stats, dict(tokens=b * T, placed=mb['tokens'], flops=raw_model.update_flops(b, T, n / b))
@@ -254,8 +254,7 @@ def policy_update(batch, times, step):
 
 
 def save(it):
-    """Checkpoint the state before iteration it (never right after a skipped step: the latest is always good).
-    Returns it: the run's last checkpoint now."""
+    """Checkpoint the state before iteration it, never right after a skipped step; returns it."""
     parallelism.check_replicas(raw_model, it)
     checkpoint.save(out_dir, it, model=raw_model, optimizer=optimizer, ref_model=ref_model,
                     trainer_state=dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size),
@@ -289,8 +288,8 @@ if init_from == 'resume':
     step, bad_in_row = state['step'], state['bad_in_row']
     checkpoint.load_optimizer(state['dir'], optimizer, rank if fsdp else None)
 elif sft_iters > 0:
-    sft.warm_start(model, raw_model, optimizer=make_optimizer(sft_learning_rate), rows=train_rows, cfg=cfg, enc=enc,
-                   reward_fn=reward_fns[0], rank=rank)
+    sft.warm_start(model, raw_model, optimizer=make_optimizer(sft_learning_rate), rows=train_rows,
+                   cfg=cfg, enc=enc, accuracy=accuracy, rank=rank)
 # the reference: the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
 if beta == 0:
     ref_model = None  # no KL term: no reference
@@ -304,6 +303,7 @@ if master:
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
           f"{prompts_per_step}x{num_generations} completions per iteration; config: "
           f"{' '.join(f'{k}={v!r}' for k, v in changed.items()) or 'the defaults'}", flush=True)
+    print(f"accuracy: {accuracy_note}", flush=True)  # what acc and the evaluations count as right
 
 t_loop = time.time()
 for it in range(iter_start, max_iters + 1):
@@ -311,8 +311,8 @@ for it in range(iter_start, max_iters + 1):
         stop_if_signalled(it)
     evaluating = eval_interval and (it % eval_interval == 0 or it == max_iters)
     if evaluating:  # held-out greedy accuracy and pass@k
-        metrics, samples = evaluate(raw_model, test_rows, it=it, rank=rank, cfg=cfg, enc=enc, reward_fn=reward_fns[0],
-                                    every=progress_interval if master else math.inf)
+        metrics, samples = evaluate(raw_model, test_rows, it=it, rank=rank, cfg=cfg, enc=enc,
+            accuracy=accuracy, every=progress_interval if master else math.inf)
         if master:
             log(dict(metrics, iter=it), report(metrics, samples, it), out_dir=out_dir, wandb=wandb)
     if it > iter_start and (save_interval and it % save_interval == 0 or it == max_iters) and bad_in_row == 0:
@@ -337,9 +337,9 @@ for it in range(iter_start, max_iters + 1):
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
                          f"(iteration {it}); the last good checkpoint in {out_dir} is intact. Lower learning_rate "
                          f"or check the rewards, then resume with init_from='resume'")
-    m = iteration_metrics(it, rollout_metrics(info, num_generations, reward_fns, device), stats, times=info['time'],
-                          clock=(t0, t1, time.perf_counter()), peak=peak, world_size=world_size,
-                          mem_mb=max(mem_rollout, memory_mb(device)),
+    m = iteration_metrics(it, rollout_metrics(info, num_generations, reward_fns, accuracy, device),
+                          stats, times=info['time'], clock=(t0, t1, time.perf_counter()), peak=peak,
+                          world_size=world_size, mem_mb=max(mem_rollout, memory_mb(device)),
                           **parallelism.resident_mb(raw_model, optimizer, ref_model))
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evaluations and saves included
     if master:

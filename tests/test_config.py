@@ -60,6 +60,21 @@ def test_every_knob_is_declared_in_train_py_with_the_loss_s_own_defaults():
     assert configure(DEFAULTS, []).keys() == DEFAULTS.keys()  # every literal global is config, nothing else is
 
 
+def test_train_py_passes_every_loss_setting_to_grpo_loss_by_name():
+    """train.py calls grpo_loss with each of its settings spelled out as a keyword, each the config's
+    own value of that name (beta through kl_in_reward's choice): a setting added to the loss but not
+    to the call would silently keep its default."""
+    tree = ast.parse(open(os.path.join(ROOT, 'train.py')).read())
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and getattr(node.func, 'id', None) == 'grpo_loss']
+    assert len(calls) == 1, "train.py calls grpo_loss once, in forward_backward"
+    passed = {k.arg: k.value for k in calls[0].keywords}
+    assert None not in passed, "no **kwargs: every setting by name"
+    assert set(settings()) <= set(passed), f"not passed: {sorted(set(settings()) - set(passed))}"
+    for name in set(settings()) - {'beta'}:
+        assert isinstance(passed[name], ast.Name) and passed[name].id == name, name
+
+
 def test_overrides_are_typed():
     c = configure(DEFAULTS, ['--beta=0', '--init_from=resume', '--top_k=5', "--reward_funcs=('exact_match',)",
                              "--task_options={'digits': 2}", '--delta=None'])

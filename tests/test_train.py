@@ -196,6 +196,19 @@ def test_warm_start_stops_at_its_target_accuracy(tmp_path):
         assert f'warm start: trained {steps} iters' in p.stdout
 
 
+def test_readme_s_brevity_example_logs_the_verifier_s_accuracy(tmp_path, monkeypatch):
+    """README's --reward_funcs="('myrewards:brevity', 'exact_match')", brevity = 1 / (1 + length) first:
+    the start names exact_match as the accuracy, and acc is exact_match's share of right answers."""
+    (tmp_path / 'myrewards.py').write_text('def brevity(prompts, completions, **kwargs):\n'
+                                           '    return [1 / (1 + len(c)) for c in completions]\n')
+    monkeypatch.setenv('PYTHONPATH', str(tmp_path))
+    p = run(['--max_iters=2', '--eval_interval=0', '--sft_target_acc=0',
+             '--reward_funcs=("myrewards:brevity", "exact_match")'], tmp_path / 'out')
+    assert "accuracy: exact_match (the task's verifier)\n" in p.stdout
+    rows = [m for m in metrics(tmp_path / 'out') if 'acc' in m]
+    assert len(rows) == 2 and all(m['acc'] == m['reward/exact_match'] for m in rows)
+
+
 def test_warm_start_is_cached_while_its_settings_match(tmp_path):
     """out_dir/warmstart is reused by the next run with the same settings (a tuple option included, which its JSON
     file reads back as a list) and trained again when one of them changes."""
