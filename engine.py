@@ -20,7 +20,7 @@ from lib import cuda_graphs, multiturn
 _CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the module, so state_dict and deepcopy skip it
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None, eos_id=None,
              generator=None, turns=None, turn_workers=1):
     """GPT.generate: sample num_samples completions for each prompt (a list of token-id lists of any lengths).
@@ -91,12 +91,15 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(G)  # (N,)
     key_mask = cache["mask"][:N]
     key_mask.copy_(torch.arange(key_mask.size(1), device=dev) >= (P - lens)[:, None])  # (N, cols) False: left padding
-    logits = torch.empty(N, cfg.vocab_size, device=dev)
+    last = []  # each prompt's last hidden state (1, C)
     for i, p in enumerate(prompts):
         rows = slice(i * G, (i + 1) * G)
         h = model.hidden(torch.tensor(p, device=dev)[None], kv=[(k[rows], v[rows]) for k, v in kv],
                           col=P - len(p))  # (1, len, C)
-        logits[rows] = model.lm_head(h[:, -1])  # one row of logits, which each sample row draws from on its own
+        last.append(h[:, -1])
+    # the output layer once for all prompts (its weight read, and under autocast cast, once), a row of logits a
+    # prompt, which each of its sample rows draws from on its own
+    logits = model.lm_head(torch.cat(last)).repeat_interleave(G, 0)  # (N, vocab_size)
 
     # every uniform the sampler will use, drawn up front: two per row and step (see sampling._draw)
     if isinstance(generator, (list, tuple)):

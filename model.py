@@ -36,10 +36,11 @@ class RMSNorm(nn.Module):
         self.eps, self.gemma = eps, gemma
 
     def forward(self, x):
-        # the statistics in float32 even under bf16, cast back before the weight, as the Llama reference does
-        if self.gemma:  # Gemma: the weight is stored as w and scales by 1 + w, in float32 before the cast back
-            return (F.rms_norm(x.float(), x.shape[-1:], eps=self.eps) * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).type_as(x)
+        # the statistics in float32 even under bf16 (float64 stays), cast back before the weight, as Llama does
+        y = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), x.shape[-1:], eps=self.eps)
+        if self.gemma:  # Gemma: the weight is stored as w and scales by 1 + w, before the cast back
+            return (y * (1.0 + self.weight.to(y.dtype))).type_as(x)
+        return self.weight * y.type_as(x)
 
 def norm(config, dim=None):
     if config.model_type == "gpt2":

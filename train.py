@@ -48,6 +48,7 @@ tokenizer = ''  # 'bytes', 'gpt2' (tiktoken's), a tokenizer.json or its director
 chat_template = 'auto'  # init_from's; 'none' (raw prompts), a checkpoint, a .jinja file, Jinja text
 system_prompt, chat_template_kwargs = None, {}  # a default system message; template keywords
 chat_date = ''  # the day strftime_now writes (YYYY-MM-DD); '' = the run's first, kept on resume
+stop_tokens = ()  # strings of one token that end a completion too, e.g. ('\n',) for a base model
 reward_funcs, reward_weights = (), ()  # reward function names from reward.py and their weights; () = the task's, 1s
 # rewards from models (reward_model.py), named 'rm:DIR' (a reward model) or 'judge:PATH' (an LLM judge) in reward_funcs
 reward_model_dtype = 'float32'  # their weights' dtype: 'float32', 'bfloat16' or 'float64'
@@ -153,7 +154,7 @@ loss_config['beta'] = 0.0 if kl_in_reward else beta  # PPO's placement: the KL i
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
-cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer)  # the turn's end first; tokens checked
+cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer, stop_tokens)  # the turn's end first; tokens checked
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
 cfg.environment = multiturn.environment(env, sandbox, cfg) if env else None
 wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # optional: only when asked for
