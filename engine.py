@@ -20,10 +20,27 @@ from lib import cuda_graphs, multiturn
 _CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the module, so state_dict and deepcopy skip it
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None, eos_id=None,
              generator=None, turns=None, turn_workers=1):
-    """GPT.generate's body: see its docstring."""
+    """GPT.generate: sample num_samples completions for each prompt (a list of token-id lists of any lengths).
+    Returns (tokens, mask, logprobs), each (N, L) with N = len(prompts) * num_samples rows in prompt-major order
+    and L <= max_new_tokens the steps taken. eos_id: one id or several (Qwen's instruct models stop on <|im_end|>
+    and <|endoftext|>). A row ends at its first eos, which it keeps; after it tokens are the smallest eos id (0 if
+    None), mask is False and logprobs 0. logprobs: each token's under the distribution it was drawn from (see
+    sample), as logprobs() computes it with the same top_k and top_p. temperature=0 is greedy, with log-probs at
+    temperature 1. generator: one torch.Generator for the whole batch, or a list of one per prompt, whose draws
+    then depend on nothing else: a prompt gets the same samples alone or in any batch.
+    turns (multi-turn): called as turns(row, ids) when a row samples an eos id, with the row's tokens so far;
+    it returns the token ids of an observation to append (the row then goes on) or None (the row ends). The
+    observation's tokens are in tokens, with mask False and logprobs 0: context, not the policy's actions. The
+    calls of one step run in turn_workers threads (the observations in row order), for a turns that depends on
+    its arguments alone.
+
+    The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its samples,
+    right-aligned so that the rows decode level (a per-row key mask hides the left padding), in a static cache
+    the model keeps across calls; an observation is read into its row's cache in one forward of its tokens.
+    """
     lengths = [len(p) for p in prompts]
     for i, n in enumerate(lengths):
         if n == 0:
@@ -74,12 +91,15 @@ def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_
     lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(G)  # (N,)
     key_mask = cache["mask"][:N]
     key_mask.copy_(torch.arange(key_mask.size(1), device=dev) >= (P - lens)[:, None])  # (N, cols) False: left padding
-    logits = torch.empty(N, cfg.vocab_size, device=dev)
+    last = []  # each prompt's last hidden state (1, C)
     for i, p in enumerate(prompts):
         rows = slice(i * G, (i + 1) * G)
         h = model.hidden(torch.tensor(p, device=dev)[None], kv=[(k[rows], v[rows]) for k, v in kv],
                           col=P - len(p))  # (1, len, C)
-        logits[rows] = model.lm_head(h[:, -1])  # one row of logits, which each sample row draws from on its own
+        last.append(h[:, -1])
+    # the output layer once for all prompts (its weight read, and under autocast cast, once), a row of logits a
+    # prompt, which each of its sample rows draws from on its own
+    logits = model.lm_head(torch.cat(last)).repeat_interleave(G, 0)  # (N, vocab_size)
 
     # every uniform the sampler will use, drawn up front: two per row and step (see sampling._draw)
     if isinstance(generator, (list, tuple)):

@@ -1,13 +1,14 @@
 """
-The policy: one decoder-only transformer in two flavours, with the three things a GRPO trainer needs from it:
+The policy: one decoder-only transformer in three flavours, with the three things a GRPO trainer needs from it:
 - GPT-2 (model_type 'gpt2'): learned positions, LayerNorm, tanh-GELU MLP, tied embeddings;
 - the Llama family ('llama', 'qwen2', 'qwen3', 'mistral'): rotary positions, RMSNorm, SwiGLU MLP, grouped-query
-  attention, and per family q/k/v biases (Qwen2) or a per-head RMSNorm of queries and keys (Qwen3).
+  attention, and per family q/k/v biases (Qwen2) or a per-head RMSNorm of queries and keys (Qwen3);
+- Gemma 3 ('gemma3_text'): Qwen3's block with Gemma's changes, each marked "Gemma:" where it is made.
 1) logprobs(): per-token log-probs of given completions, chunked so a (B, T, vocab) float32 tensor never exists,
 2) generate(): fast sampling of many completions per prompt with a static KV cache (its loop is engine.py's),
 3) from_pretrained() / save_pretrained(): Hugging Face checkpoints without transformers (the format is lib/hf.py's), and
    from_pretrained() of a GGUF file (lib/gguf_file.py).
-Module names follow Hugging Face's GPT2LMHeadModel; lib/hf.py maps the Llama family's names (and splits the fused
+Module names follow Hugging Face's GPT2LMHeadModel; lib/hf.py maps the other families' names (and splits the fused
 q/k/v and gate/up matrices) key by key.
 """
 
@@ -22,40 +23,53 @@ from torch.utils.checkpoint import checkpoint
 
 import engine
 from sampling import sample
-from lib import gguf_file, hf
+from lib import gguf_file, hf, packing
 from lib.errors import ConfigError
 from lib.head import HeadLogprobs
 from lib.truncation import truncate_
 
 class RMSNorm(nn.Module):
 
-    def __init__(self, dim, eps):
+    def __init__(self, dim, eps, gemma=False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.eps, self.gemma = eps, gemma
 
     def forward(self, x):
-        # the statistics in float32 even under bf16, cast back before the weight, as the Llama reference does
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).type_as(x)
+        # the statistics in float32 even under bf16 (float64 stays), cast back before the weight, as Llama does
+        y = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), x.shape[-1:], eps=self.eps)
+        if self.gemma:  # Gemma: the weight is stored as w and scales by 1 + w, before the cast back
+            return (y * (1.0 + self.weight.to(y.dtype))).type_as(x)
+        return self.weight * y.type_as(x)
 
-def norm(config):
+def norm(config, dim=None):
     if config.model_type == "gpt2":
         return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
-    return RMSNorm(config.n_embd, config.norm_eps)
+    return RMSNorm(dim or config.n_embd, config.norm_eps, gemma=config.model_type == "gemma3_text")
 
-def rope_frequencies(config, device):
-    """The rotary inverse frequencies (head_dim / 2,) float32, with Llama-3.1's scaling when the config has it:
-    wavelengths longer than the original context / low_freq_factor are stretched by factor, those shorter than
-    original context / high_freq_factor are kept, and the band between blends the two."""
+def rope_frequencies(config, device, local=False):
+    """The rotary inverse frequencies (head_dim / 2,) float32, with the scaling the config has: 'linear' divides them
+    all by factor (Gemma 3's global layers); Llama-3.1's stretches wavelengths longer than the original context /
+    low_freq_factor by factor, keeps those shorter than original context / high_freq_factor, and blends the band
+    between. local: Gemma 3's sliding-window layers, which have a base of their own and no scaling."""
     hd = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd)
-    s = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, device=device).float() / hd)
+    s = None if local else config.rope_scaling
     if s is None:
         return inv_freq
+    if s.get("rope_type") == "linear":
+        return inv_freq / s["factor"]
     ctx, lo, hi = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
     smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0: long wavelengths, 1: short ones
     return (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+
+def rotary(config, pos, dtype, local=False):
+    """cos and sin (B or 1, 1, T, head_dim) of each position's rotary angles, computed in float32."""
+    angle = pos[..., None].float() * rope_frequencies(config, pos.device, local)  # (.., T, hs/2)
+    angle = torch.cat((angle, angle), dim=-1).view(-1, 1, pos.size(-1), config.head_dim)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
 
 def rotate(x, cos, sin):
     """Rotary embedding, the rotate-half convention: the two halves of each head, not interleaved pairs."""
@@ -72,11 +86,12 @@ class CausalSelfAttention(nn.Module):
         qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim
         self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.bias or config.qkv_bias)
         self.c_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.bias)
-        if config.qk_norm:  # Qwen3: each head's queries and keys are RMS-normalised, before rotary
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        if config.qk_norm:  # Qwen3, Gemma 3: each head's queries and keys are RMS-normalised, before rotary
+            self.q_norm, self.k_norm = norm(config, config.head_dim), norm(config, config.head_dim)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
+        # Gemma: scores scaled by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5 (None, sdpa's default)
+        self.scale = config.query_pre_attn_scalar and config.query_pre_attn_scalar ** -0.5
 
     def forward(self, x, rope=None, kv=None, col=0, key_mask=None):
         B, T, C = x.size()
@@ -89,7 +104,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
         # kv: this layer's static cache, keys and values (rows, nkv, S, hs)
-        if kv is not None and key_mask is None:  # prefill of one prompt (B=1): broadcast into its sample rows
+        if kv is not None and not torch.is_tensor(col):  # prefill of one prompt (B=1): into its sample rows
             kv[0][:, :, col:col + T] = k
             kv[1][:, :, col:col + T] = v
         elif kv is not None:  # decoding: each row's T tokens go into its cache from column col[row] (a tensor, so
@@ -102,12 +117,15 @@ class CausalSelfAttention(nn.Module):
             # share a kv head are that head's queries (h uses kv head h // g), so the cache is read, never repeated
             g = nh // nkv
             mask = key_mask.repeat(1, 1, g, 1) if T > 1 and g > 1 else key_mask  # (B, 1, g * T, S)
-            y = F.scaled_dot_product_attention(q.reshape(B, nkv, g * T, hs).to(kv[0].dtype), *kv, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q.reshape(B, nkv, g * T, hs).to(kv[0].dtype), *kv, attn_mask=mask,
+                                               scale=self.scale)
             y = y.view(B, nkv, g, T, hs).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hs)  # heads side by side
             return self.resid_dropout(self.c_proj(y))
-        # key_mask here: packed rows (B, 1, T, T), each token sees the earlier tokens of its own row and prompt
+        # key_mask here: packed rows (B, 1, T, T), each token sees the earlier tokens of its own row and prompt; or
+        # a sliding window's (T, T)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, is_causal=key_mask is None,
-                                           enable_gqa=nkv != nh, dropout_p=self.dropout if self.training else 0.0)
+                                           enable_gqa=nkv != nh, dropout_p=self.dropout if self.training else 0.0,
+                                           scale=self.scale)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -115,7 +133,7 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.swiglu = config.model_type != "gpt2"
+        self.swiglu, self.gemma = config.model_type != "gpt2", config.model_type == "gemma3_text"
         bias = config.bias and not self.swiglu  # the Llama family's MLP has no biases
         self.c_fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * config.n_inner, bias=bias)  # SwiGLU: gate, up
         self.c_proj = nn.Linear(config.n_inner, config.n_embd, bias=bias)
@@ -124,6 +142,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.swiglu:
             gate, up = self.c_fc(x).chunk(2, dim=-1)
+            if self.gemma:  # Gemma: the gate through tanh-GELU (GeGLU), not SiLU
+                return self.dropout(self.c_proj(F.gelu(gate, approximate="tanh") * up))
             return self.dropout(self.c_proj(F.silu(gate) * up))
         # GPT-2's GELU is the tanh approximation (HF "gelu_new"); the exact erf GELU would miss its logits by ~1e-4
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
@@ -136,10 +156,14 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = norm(config)
         self.mlp = MLP(config)
+        if config.model_type == "gemma3_text":  # Gemma: the attention's and the MLP's outputs normalised too
+            self.post_attn_norm, self.post_mlp_norm = norm(config), norm(config)
 
     def forward(self, x, rope=None, kv=None, col=0, key_mask=None):
-        x = x + self.attn(self.ln_1(x), rope, kv, col, key_mask)
-        return x + self.mlp(self.ln_2(x))
+        y = self.attn(self.ln_1(x), rope, kv, col, key_mask)
+        x = x + (self.post_attn_norm(y) if hasattr(self, "post_attn_norm") else y)
+        y = self.mlp(self.ln_2(x))
+        return x + (self.post_mlp_norm(y) if hasattr(self, "post_mlp_norm") else y)
 
 @dataclass
 class GPTConfig:
@@ -151,15 +175,20 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # GPT-2: biases in Linears and LayerNorms (False is a bit better and faster); Llama family:
     # biases in q, k, v and the attention output (config.json's attention_bias)
-    model_type: str = "gpt2"  # or 'llama', 'qwen2', 'qwen3', 'mistral': the fields below
+    model_type: str = "gpt2"  # or 'llama', 'qwen2', 'qwen3', 'mistral', 'gemma3_text': the fields below
     n_kv_head: int = None  # grouped-query attention; None = n_head
     head_dim: int = None  # None = n_embd // n_head
     n_inner: int = None  # the MLP's hidden width; None = 4 * n_embd
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict = None  # Llama-3.1's: factor, low/high_freq_factor, original_max_position_embeddings
+    rope_scaling: dict = None  # Llama-3.1's: factor, low/high_freq_factor, original_max_position_embeddings;
+    # or dict(rope_type='linear', factor=...)
     qkv_bias: bool = False  # Qwen2: biases in q, k, v only
-    qk_norm: bool = False  # Qwen3
+    qk_norm: bool = False  # Qwen3, Gemma 3
+    layer_types: tuple = None  # Gemma 3: per layer 'full_attention' or 'sliding_attention'; None: all full
+    sliding_window: int = None  # a sliding layer's query sees itself and the sliding_window - 1 tokens before it
+    rope_local_theta: float = None  # Gemma 3: the sliding layers' RoPE base
+    query_pre_attn_scalar: float = None  # Gemma 3: attention scores scaled by its ** -0.5
     tie_word_embeddings: bool = True
     # the checkpoint's config.json, whose other keys save_pretrained writes back; not part of the architecture
     hf_config: dict = field(default=None, compare=False, repr=False)
@@ -200,8 +229,7 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def check_length(self, T, what):
-        """The one check that a sequence fits: GPT-2's position table ends at block_size, RoPE models were trained
-        to it."""
+        """The one check that a sequence fits: GPT-2's positions end at block_size, RoPE models were trained to it."""
         if T > self.config.block_size:
             raise ValueError(f"{what}: {T} tokens, more than block_size {self.config.block_size}; shorten it or use a "
                              f"model with a larger block_size")
@@ -231,10 +259,12 @@ class GPT(nn.Module):
         """Model FLOPs for one token at context length T (PaLM appendix B, as nanoGPT's estimate_mfu): 2 per weight
         of a matmul (an untied input embedding is a lookup, not a matmul; grouped-query attention's smaller k and v
         and SwiGLU's third matrix are in the weights) plus 2*T per query-head channel per layer for the attention
-        scores and as much for the mixing; x3 with the backward pass (2x forward)."""
+        scores and as much for the mixing (a sliding layer's T at most its window); x3 with the backward pass."""
         cfg = self.config
         weights = self.get_num_params() - (0 if cfg.tie_word_embeddings else self.transformer.wte.weight.numel())
-        forward = 2 * weights + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+        spans = [min(T, cfg.sliding_window) if t == "sliding_attention" else T  # the keys a query sees
+                 for t in cfg.layer_types or [None] * cfg.n_layer]
+        forward = 2 * weights + 4 * cfg.n_head * cfg.head_dim * sum(spans)
         return 3 * forward if backward else forward
 
     def update_flops(self, rows, T, C):
@@ -248,42 +278,50 @@ class GPT(nn.Module):
 
     def hidden(self, idx, pos=None, kv=None, col=0, key_mask=None):
         """Final hidden states (B, T, C) of idx (B, T); kv, col and key_mask are generate()'s cache plumbing. pos
-        (B, T) without kv: rows packed one after another (rollout.micro_batches), each token's position in its own
-        row. A prompt begins at 0; a row begins wherever positions do not go on by one, and one that begins past 0
-        carries on the prompt before it (the rows of a group share its tokens): it sees the prompt's tokens at the
-        positions before its own first one, and its own, never another row's."""
-        T = idx.size(1)
+        (B, T) without kv: rows packed one after another (rollout.micro_batches; the mask is lib/packing.py's), each
+        token's position in its own row."""
+        cfg, T = self.config, idx.size(1)
         if pos is not None and kv is None:
-            t = torch.arange(T, device=idx.device)
-            new = torch.cat((pos[:, :1] >= 0, pos[:, 1:] != pos[:, :-1] + 1), 1)  # (B, T) a row begins here
-            row, prompt = new.cumsum(1), (pos == 0).cumsum(1)  # (B, T) which row and which prompt a token is in
-            first = pos - t + torch.where(new, t, 0).cummax(1).values  # (B, T) the position its row begins at
-            seen = (row[:, :, None] == row[:, None, :]) | ((prompt[:, :, None] == prompt[:, None, :]) &
-                                                           (pos[:, None, :] < first[:, :, None]))  # (B, T, T) q, k
-            key_mask = seen.tril()[:, None]  # (B, 1, T, T) causal
+            key_mask = packing.attention_mask(pos)  # (B, 1, T, T)
         if pos is None:
             self.check_length(T, "the sequence")
             pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
-        rope = None
+        if cfg.model_type == "gemma3_text":  # Gemma: embeddings times sqrt(n_embd), rounded to float32, then theirs
+            x = x * torch.tensor(cfg.n_embd ** 0.5).to(x.dtype)
+        rope = local_rope = local_mask = None
         if "wpe" in self.transformer:
             x = x + self.transformer.wpe(pos)
-        else:  # cos and sin of each position's angles (B or 1, 1, T, hs), shared by every layer
-            angle = pos[..., None].float() * rope_frequencies(self.config, idx.device)  # (.., T, hs/2) float32
-            angle = torch.cat((angle, angle), dim=-1).view(-1, 1, T, self.config.head_dim)
-            rope = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        else:  # cos and sin of each position's angles (B or 1, 1, T, hs), shared by every layer of a kind
+            rope = rotary(cfg, pos, x.dtype)
+        if cfg.layer_types:  # Gemma 3's sliding layers: a RoPE base and a key mask of their own
+            local_rope, local_mask = rotary(cfg, pos, x.dtype, local=True), self.window_mask(pos, col, key_mask, kv)
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
+            sliding = cfg.layer_types and cfg.layer_types[i] == "sliding_attention"
+            r, m = (local_rope, local_mask) if sliding else (rope, key_mask)
             if self.gradient_checkpointing and kv is None and torch.is_grad_enabled():
-                x = checkpoint(block, x, rope, None, 0, key_mask, use_reentrant=False)
+                x = checkpoint(block, x, r, None, 0, m, use_reentrant=False)
             else:
-                x = block(x, rope, None if kv is None else kv[i], col, key_mask)
+                x = block(x, r, None if kv is None else kv[i], col, m)
         return self.transformer.ln_f(x)
 
+    def window_mask(self, pos, col, key_mask, kv):
+        """A sliding layer's key mask: key_mask (None: causal) less the keys sliding_window or more positions before
+        the query. The cache holds every column for these layers too, as for the global ones: the mask hides the
+        old ones (a row's cache columns are its positions, shifted by its left padding)."""
+        w = self.config.sliding_window
+        if kv is not None and torch.is_tensor(col):  # decoding: query t of row b sits in cache column col[b] + t
+            q = col[:, None] + torch.arange(pos.size(-1), device=col.device)  # (B, T)
+            return key_mask & (torch.arange(key_mask.size(-1), device=col.device) > q[..., None] - w)[:, None]
+        near = pos[..., :, None] - pos[..., None, :] < w  # (T, T), or (B, T, T) packed
+        if key_mask is None:  # one sequence, causal: a window only once it is longer than the window
+            return near.tril() if pos.size(-1) > w else None
+        return key_mask & near[:, None]  # (B, 1, T, T)
+
     def forward(self, idx, start=None, *args, **kwargs):
-        """Logits (B, T, vocab_size) for every position of idx (B, T). Given start (and logprobs' other arguments) it
-        returns logprobs(idx, start, ...) instead, so that the trainer's pass goes through forward and a
-        DistributedDataParallel wrapper sees it."""
+        """Logits (B, T, vocab_size) of idx (B, T); given start, logprobs(idx, start, ...) instead, so that the
+        trainer's pass goes through forward, which a DistributedDataParallel wrapper sees."""
         if start is not None:
             return self.logprobs(idx, start, *args, **kwargs)
         return self.lm_head(self.hidden(idx))
@@ -291,16 +329,13 @@ class GPT(nn.Module):
     def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None, pos=None, plain=False,
                  top_k=None, top_p=None):
         """out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j], predicted from the position
-        before it, for j < length: (B, length) float32 (float64 for a float64 model). idx (B, T) holds prompt +
-        completion + any right padding per row (causal attention never looks at the padding), start (B,) each row's
-        prompt length. lengths (B,), if given, is how many of each row's completion tokens count: the output layer
-        runs on those only (it costs more per token than the rest of a small model), and out is 0 past them. With
-        pos (B, T), idx holds several rows packed one after another (rollout.micro_batches, see hidden) and start
-        (n,) is where each of n rows' completion begins, as a flat index into idx: out is then (n, length). The
-        output layer runs in chunks of rows with a backward of its own (lib/head.py), so a float32 (B, T, vocab)
-        tensor never exists; plain=True runs the reference instead, log_softmax(logits).gather, the same numbers.
-        entropy=True returns (out, H), H[b, j] the entropy of the softmax out[b, j] is taken from, both with gradients.
-        top_k, top_p: the sampler's, for log q: that softmax renormalised over the tokens they keep (lib/truncation)."""
+        before it, for j < length: (B, length) float32 (float64 for a float64 model). idx (B, T): prompt +
+        completion + right padding per row, start (B,) each row's prompt length. lengths (B,): how many completion
+        tokens count (the output layer runs on those only; out is 0 past them). pos (B, T): rows packed (see hidden),
+        start (n,) where each row's completion begins as a flat index into idx, out (n, length). plain=True: the
+        reference, log_softmax(logits).gather; else the same numbers in chunks (lib/head.py), so a float32
+        (B, T, vocab) tensor never exists. entropy=True returns (out, H), H the entropy of each softmax, both with
+        gradients. top_k, top_p: the sampler's, for log q: the softmax renormalised over the tokens they keep."""
         B, T = idx.shape
         # checked when run eagerly; a compiled graph would break at the host sync
         if pos is None and not torch.compiler.is_compiling() and (int(start.min()) < 1 or
@@ -336,46 +371,30 @@ class GPT(nn.Module):
 
     def generate(self, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None,
                  eos_id=None, generator=None, turns=None, turn_workers=1):
-        """Sample num_samples completions for each prompt (a list of token-id lists of any lengths).
-        Returns (tokens, mask, logprobs), each (N, L) with N = len(prompts) * num_samples rows in prompt-major order
-        and L <= max_new_tokens the steps taken. eos_id: one id or several (Qwen's instruct models stop on <|im_end|>
-        and <|endoftext|>). A row ends at its first eos, which it keeps; after it tokens are the smallest eos id (0 if
-        None), mask is False and logprobs 0. logprobs: each token's under the distribution it was drawn from (see
-        sample), as logprobs() computes it with the same top_k and top_p. temperature=0 is greedy, with log-probs at
-        temperature 1. generator: one torch.Generator for the whole batch, or a list of one per prompt, whose draws
-        then depend on nothing else: a prompt gets the same samples alone or in any batch.
-        turns (multi-turn): called as turns(row, ids) when a row samples an eos id, with the row's tokens so far;
-        it returns the token ids of an observation to append (the row then goes on) or None (the row ends). The
-        observation's tokens are in tokens, with mask False and logprobs 0: context, not the policy's actions. The
-        calls of one step run in turn_workers threads (the observations in row order), for a turns that depends on
-        its arguments alone.
-
-        The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its samples,
-        right-aligned so that the rows decode level (a per-row key mask hides the left padding), in a static cache
-        the model keeps across calls; an observation is read into its row's cache in one forward of its tokens.
-        A method, not only engine.generate, because FSDP registers it as an entry of the root (parallelism.shard):
-        called first, before any forward, it must set up the sharded model as forward does."""
+        """Sample num_samples completions for each prompt (a list of token-id lists): (tokens, mask, logprobs), each
+        (N, L), N = len(prompts) * num_samples rows in prompt-major order, L <= max_new_tokens. A row ends at its
+        first eos_id (one id or several), which it keeps; logprobs are each token's under the distribution it was
+        drawn from, as logprobs() computes them; temperature=0 is greedy. turns: multi-turn observations. The loop and
+        the details are engine.py's. A method, not only engine.generate, because FSDP registers it as an entry of
+        the root (parallelism.shard): called first, before any forward, it must set up the sharded model as forward
+        does."""
         return engine.generate(self, prompts, max_new_tokens, num_samples=num_samples, temperature=temperature,
                                top_k=top_k, top_p=top_p, eos_id=eos_id, generator=generator, turns=turns,
                                turn_workers=turn_workers)
 
     def decode(self, tok, pos, kv, col, key_mask, u, temperature, top_k, top_p):
-        """One step of generate: feed tok (n,) at positions pos (n,), their keys and values going into cache
-        columns col (n,), and sample the next tokens and their log-probs (n,), (n,) with the uniforms u (n, 2). The
-        shapes are the same from step to step (attention covers the S cache columns given; key_mask (n, S) and col
-        hide the padding and what is not written yet), so torch.compile turns the step, sampling included, into one
-        graph: train.py's compile does."""
+        """One step of generate: feed tok (n,) at positions pos (n,) into cache columns col (n,), and sample the next
+        tokens and their log-probs (n,), (n,) with the uniforms u (n, 2). The shapes are the same from step to step
+        (key_mask (n, S) and col hide padding and unwritten columns), so torch.compile makes the step one graph."""
         mask = key_mask & (torch.arange(key_mask.size(1), device=col.device) <= col[:, None])  # (n, S)
         h = self.hidden(tok[:, None], pos=pos[:, None], kv=kv, col=col, key_mask=mask[:, None, None])  # (n, 1, C)
         return sample(self.lm_head(h[:, -1]), temperature, top_k, top_p, u)
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None):
-        """Load a Hugging Face checkpoint directory (GPT-2 or the Llama family; lib/hf.py reads the format) or a .gguf
-        file (Llama, Qwen2, Qwen3; lib/gguf_file.py dequantizes it to float32) in dtype (default: the checkpoint's own;
-        the weights are copied into parameters of that dtype, so a float64 checkpoint loads exactly and a bf16 one
-        upcasts exactly), then move it to device if given. device='meta': the model's shape only, no weights read
-        (FSDP's ranks but the first, which get their shards from it)."""
+        """Load a Hugging Face checkpoint directory (lib/hf.py) or a .gguf file (lib/gguf_file.py dequantizes it to
+        float32) in dtype (default: the checkpoint's own; a bf16 one upcasts exactly), then move it to device.
+        device='meta': the model's shape only, no weights read (FSDP's ranks but the first)."""
         tensors = None
         if str(path).endswith('.gguf'):
             hf_config, tensors = gguf_file.read_model(path)
@@ -386,7 +405,6 @@ class GPT(nn.Module):
             with torch.device('meta'):
                 return cls(GPTConfig(**fields)).to(dtype=dtype or own_dtype)
         model = cls(GPTConfig(**fields)).to(dtype=dtype or own_dtype)
-        # the state dict shares the parameters' storage
         hf.load_weights(path, model.config, model.state_dict(), tensors)
         return model.to(device=device)
 

@@ -48,6 +48,7 @@ tokenizer = ''  # 'bytes', 'gpt2' (tiktoken's), a tokenizer.json or its director
 chat_template = 'auto'  # init_from's; 'none' (raw prompts), a checkpoint, a .jinja file, Jinja text
 system_prompt, chat_template_kwargs = None, {}  # a default system message; template keywords
 chat_date = ''  # the day strftime_now writes (YYYY-MM-DD); '' = the run's first, kept on resume
+stop_tokens = ()  # strings of one token that end a completion too, e.g. ('\n',) for a base model
 reward_funcs, reward_weights = (), ()  # reward function names from reward.py and their weights; () = the task's, 1s
 accuracy_func = ''  # what acc and the evals count as right (score >= 1); '' = a verifier (evaluate)
 # rewards from models (reward_model.py), named 'rm:DIR' (a reward model) or 'judge:PATH' (an LLM judge) in reward_funcs
@@ -143,7 +144,7 @@ param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
-cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer)  # the turn's end first; tokens checked
+cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer, stop_tokens)  # the turn's end first; tokens checked
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
 cfg.environment = multiturn.environment(env, sandbox, cfg) if env else None
 wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # optional: only when asked for

@@ -230,14 +230,15 @@ def tools_of(env):
 
 def encode_prompt(prompt, cfg, enc):
     """A row's prompt (a string or a list of messages) as token ids: with no template (cfg.template
-    None) a string as it is; else rendered by the run's template with add_generation_prompt, the
+    None) a string as it is, after the checkpoint's BOS if it has one; else rendered by the run's template with add_generation_prompt, the
     system_prompt, the environment's tools and chat_template_kwargs, its special tokens then their
     ids."""
     if cfg.template is None:
         if not isinstance(prompt, str):
             raise ConfigError(f"a prompt is a list of messages but the run has no chat template; "
                               f"{HOW}")
-        return enc.encode_ordinary(prompt)
+        bos = getattr(enc, "bos_token", None)  # SentencePiece's: the checkpoint starts each text so
+        return ([] if bos is None else [bos]) + enc.encode_ordinary(prompt)
     text = apply_chat_template(cfg.template, prompt_messages(prompt, cfg.system_prompt),
                                tools=tools_of(getattr(cfg, "environment", None)),
                                add_generation_prompt=True, **cfg.chat_template_kwargs)
@@ -260,12 +261,12 @@ def end_of_turn(template, enc):
     return token and enc.encode_single_token(token)
 
 
-def stop_ids(enc, template=None, path=None):
+def stop_ids(enc, template=None, path=None, stop=()):
     """The ids that end a completion; the first is the one a finished answer is written with (warm
     start, padding): the chat template's end of turn, then the eos ids of the checkpoint the
     tokenizer came from (path: its directory, tokenizer.json or .gguf file; instruct models list
-    several), then the tokenizer's end of text. Checks first that enc has the template's special
-    tokens."""
+    several), then the tokenizer's end of text, then those of `stop`, strings of one token each
+    (train.py's stop_tokens). Checks first that enc has the template's special tokens."""
     check_template(template, enc, path)
     turn_end = end_of_turn(template, enc) if template is not None else None
     ids = [turn_end] if turn_end is not None else []
@@ -274,6 +275,12 @@ def stop_ids(enc, template=None, path=None):
         os.path.dirname(path)
     ids += (folder and eos_ids(folder)) or []
     ids += [enc.eot_token] if enc.eot_token is not None else []
+    for text in stop:
+        one = enc.encode(text, allowed_special="all")
+        if len(one) != 1:
+            raise ConfigError(f"stop_tokens: {text!r} is {len(one)} tokens of this tokenizer, not one; "
+                              f"give strings that are one token each (a newline, '</answer>', ...)")
+        ids += one
     return list(dict.fromkeys(ids))  # no repeats, first one first
 
 

@@ -25,7 +25,7 @@ import torch
 
 from lib.errors import ConfigError, need_package
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # tokenizer.ggml.pre names the pre-tokenizer of the tokenizer.json the file was converted from; these are those
 # tokenizer.json files' own (Qwen2's with its NFC normalizer)
@@ -54,6 +54,8 @@ BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+GEMMA3_BLOCK = dict(BLOCK, ffn_norm="pre_feedforward_layernorm", post_attention_norm="post_attention_layernorm",
+                    post_ffw_norm="post_feedforward_layernorm")  # a norm after the attention and the MLP too
 # tokenizer.ggml.token_type, as llama.cpp's converter writes it for a byte-level BPE: NORMAL the BPE vocab, CONTROL the
 # special added tokens (and those that look it, <|...|>), USER_DEFINED the other added tokens, UNUSED the [PAD{id}]
 # tokens that fill the ids up to the embedding's rows (Qwen2/2.5/3 have 151,936 rows for 151,665-151,669 tokens).
@@ -88,6 +90,9 @@ def _need(path, key):
 
 def _architecture(path):
     arch = _need(path, "general.architecture")
+    if arch == "clip":
+        raise ConfigError(f"{path} is a vision tower (llama.cpp's mmproj file); nanoGRPO trains the text model: "
+                          f"give the model's own .gguf")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path}: architecture {arch!r} is not supported; nanoGRPO reads GGUF files of "
                           f"{', '.join(ARCHITECTURES)}")
@@ -110,11 +115,12 @@ def _llama3_rope(path, freqs, theta, head_dim):
         raise ConfigError(f"{path}: its rope_freqs are not Llama-3.1's rope scaling; only that one is supported")
     return rope
 
-def _hf_name(name):
+def _hf_name(name, arch):
     """The Hugging Face name of GGUF tensor name; one it does not know is left as it is (lib/hf.py then refuses it)."""
     part = name.split(".")
     if part[0] == "blk" and len(part) == 4:
-        return f"model.layers.{part[1]}.{BLOCK.get(part[2], part[2])}.{part[3]}"
+        block = GEMMA3_BLOCK if arch == "gemma3" else BLOCK
+        return f"model.layers.{part[1]}.{block.get(part[2], part[2])}.{part[3]}"
     return ".".join([TOP.get(part[0], part[0]), *part[1:]])
 
 def _embedding_rows(path, tensors):
@@ -149,7 +155,8 @@ def read_model(path):
     hidden = _need(path, f"{arch}.embedding_length")
     head_dim = key("attention.key_length", hidden // heads)
     theta = float(key("rope.freq_base", 10000.0))
-    if key("rope.scaling.type", "none") not in ("none", "linear") or key("rope.scaling.factor", 1.0) != 1.0:
+    if key("rope.scaling.type", "none") not in ("none", "linear") or (key("rope.scaling.factor", 1.0) != 1.0 and
+                                                                      arch != "gemma3"):
         raise ConfigError(f"{path}: rope scaling {key('rope.scaling.type')!r} is not supported; nanoGRPO does "
                           f"Llama-3.1's (rope_freqs) and none")
     rows = _embedding_rows(path, tensors)  # Qwen's files name no vocab_size: the embedding says it
@@ -157,7 +164,7 @@ def read_model(path):
     rope = None if freqs is None else _llama3_rope(path, gguf.quants.dequantize(freqs.data, freqs.tensor_type), theta,
                                                     head_dim)
     config = dict(
-        architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(arch, "Qwen3ForCausalLM")],
         model_type=arch, vocab_size=key("vocab_size") or rows,
         hidden_size=hidden, intermediate_size=_need(path, f"{arch}.feed_forward_length"),
         num_hidden_layers=_need(path, f"{arch}.block_count"), num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -176,8 +183,25 @@ def read_model(path):
                 n = heads if ".attn_q." in t.name else kv_heads
                 # llama.cpp's rows of a head: the pairs (i, i + head_dim/2) side by side; back to the two halves
                 w = w.reshape(n, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-            yield _hf_name(t.name), path, torch.from_numpy(np.ascontiguousarray(w))
+            if arch == "gemma3" and t.name.endswith("norm.weight"):
+                w = w - np.float32(1)  # llama.cpp stores Gemma's norm weights as 1 + w, the scale itself
+            yield _hf_name(t.name, arch), path, torch.from_numpy(np.ascontiguousarray(w))
+    if arch == "gemma3":
+        config.update(_gemma3_config(path, config, key))
     return config, weights()
+
+def _gemma3_config(path, config, key):
+    """Gemma 3's keys, of which a GGUF holds the window only: llama.cpp fixes the rest as here (a global layer
+    every 6th, the sliding layers' RoPE base 10,000, scores scaled by head_dim ** -0.5, the 27B's by
+    (hidden / heads) ** -0.5) unless the file says otherwise."""
+    factor = key("rope.scaling.factor", 1.0)
+    pattern, n = key("attention.sliding_window_pattern", 6), config["num_hidden_layers"]
+    return dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", rope_scaling=None if factor == 1.0
+                else dict(rope_type="linear", factor=float(factor)), sliding_window=_need(
+                path, "gemma3.attention.sliding_window"), rope_local_base_freq=float(key("rope.freq_base_swa",
+                10000.0)), layer_types=[("full" if (i + 1) % pattern == 0 else "sliding") + "_attention" for i in
+                range(n)], query_pre_attn_scalar=config["hidden_size"] // config["num_attention_heads"] if n == 62
+                else config["head_dim"], hidden_activation="gelu_pytorch_tanh")
 
 # -----------------------------------------------------------------------------
 # the tokenizer

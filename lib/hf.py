@@ -22,12 +22,15 @@ from safetensors.torch import save
 from lib.errors import ConfigError
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM"}  # model_type -> architecture
+            "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}  # model_type -> architecture
 GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 LLAMA_NAMES = [("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
                ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."),
                (".ln_2.", ".post_attention_layernorm."), (".attn.c_proj.", ".self_attn.o_proj."),
                (".attn.", ".self_attn."), (".mlp.c_proj.", ".mlp.down_proj.")]  # ours -> theirs, in this order
+GEMMA3_NAMES = [(".ln_2.", ".pre_feedforward_layernorm."), (".post_attn_norm.", ".post_attention_layernorm."),
+                (".post_mlp_norm.", ".post_feedforward_layernorm.")] + LLAMA_NAMES  # its post_attention_ is after
+MULTIMODAL_TEXT = ("model.language_model.", "language_model.model.")  # a multimodal Gemma 3's text model (5, 4)
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -54,8 +57,15 @@ def read_config(path):
 def parse_config(hf, file):
     """read_config's result for the config.json dict hf (read from file, or what gguf_file makes of a GGUF)."""
     kind = hf.get("model_type")
+    if kind == "gemma3" and isinstance(hf.get("text_config"), dict):  # Gemma3ForConditionalGeneration
+        print(f"{file}: a multimodal Gemma 3: reading its text model only (its vision tower is not read)")
+        hf = dict(hf["text_config"], model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+                  tie_word_embeddings=True, **{k: hf[k] for k in ("dtype", "torch_dtype") if k in hf})
+        kind = "gemma3_text"
     if kind == "gpt2":
         fields = _gpt2_config(hf, file)
+    elif kind == "gemma3_text":
+        fields = _gemma3_config(hf, file)
     elif kind in FAMILIES:
         fields = _llama_config(hf, file)
     else:
@@ -114,6 +124,33 @@ def _llama_config(hf, file):
                 bias=kind != "qwen2" and bool(hf.get("attention_bias")), qkv_bias=kind == "qwen2",
                 qk_norm=kind == "qwen3", tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
+def _gemma3_config(hf, file):
+    """Gemma 3's fields, with transformers' defaults for the keys a config may leave out."""
+    for key, supported in (("attn_logit_softcapping", None), ("final_logit_softcapping", None),
+                           ("hidden_activation", "gelu_pytorch_tanh"), ("use_bidirectional_attention", False)):
+        if hf.get(key) not in (None, supported):
+            raise ConfigError(f"{file}: {key}={hf[key]!r} is not implemented by model.py's Gemma 3 block (which "
+                              f"has {key}={supported!r}); use a Gemma 3 checkpoint with it")
+    rope = hf.get("rope_parameters") or {}  # transformers 5: one dict per kind of layer; 4: keys on top
+    full = rope.get("full_attention") or dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 1e6))
+    local = rope.get("sliding_attention") or dict(rope_theta=hf.get("rope_local_base_freq", 10000.0))
+    kinds = (full.get("rope_type", full.get("type", "default")), local.get("rope_type", "default"))
+    if kinds[0] not in ("default", "linear") or kinds[1] != "default":
+        raise ConfigError(f"{file}: rope types {kinds} (global, sliding) are not supported; nanoGRPO's Gemma 3 "
+                          f"does 'default' or 'linear' on the global layers and 'default' on the sliding ones")
+    n, pattern = hf.get("num_hidden_layers"), hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    types = hf.get("layer_types") or [("full" if (i + 1) % pattern == 0 else "sliding") + "_attention"
+                                       for i in range(n or 0)]
+    if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"{file}: layer_types must give each of the {n} layers 'full_attention' or "
+                          f"'sliding_attention'; use the config.json that came with the weights")
+    fields = _llama_config(dict(hf, hidden_act="silu", layer_types=None, sliding_window=None, rope_scaling=None,
+                                rope_parameters=dict(rope_theta=full["rope_theta"]), model_type="qwen3"), file)
+    return dict(fields, model_type="gemma3_text", layer_types=tuple(types), sliding_window=hf.get("sliding_window",
+                4096), rope_local_theta=float(local["rope_theta"]), query_pre_attn_scalar=hf.get(
+                "query_pre_attn_scalar", 256), tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                rope_scaling=dict(rope_type="linear", factor=float(full["factor"])) if kinds[0] == "linear" else None)
+
 def write_config(path, cfg, dtype):
     """path/config.json for GPTConfig cfg: the keys of the config.json it was read from (if any) that it does not set
     (token ids, initializer range...) are written back unchanged, in the same layout (rope_parameters or rope_theta)."""
@@ -126,6 +163,8 @@ def write_config(path, cfg, dtype):
                     tie_word_embeddings=True, initializer_range=0.02, attn_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
                     resid_pdrop=cfg.dropout, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
                     reorder_and_upcast_attn=False, use_cache=True)
+    elif cfg.model_type == "gemma3_text":
+        ours = _gemma3_keys(cfg, old)
     else:
         ours = dict(model_type=cfg.model_type, architectures=[FAMILIES[cfg.model_type]], hidden_act="silu",
                     vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.n_inner,
@@ -142,6 +181,24 @@ def write_config(path, cfg, dtype):
     ours["dtype" if "dtype" in old else "torch_dtype"] = dtype
     _atomic_write(os.path.join(path, "config.json"), (json.dumps({**old, **ours}, indent=2) + "\n").encode())
 
+def _gemma3_keys(cfg, old):
+    """write_config's keys for Gemma 3, in the layout the checkpoint had (transformers 5's or 4's)."""
+    full = dict(rope_type="default", rope_theta=cfg.rope_theta, **(cfg.rope_scaling or {}))
+    ours = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
+                vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.n_inner,
+                num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+                head_dim=cfg.head_dim, max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+                tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.bias,
+                layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window,
+                query_pre_attn_scalar=cfg.query_pre_attn_scalar)
+    if "rope_parameters" in old:
+        ours["rope_parameters"] = dict(full_attention=full, sliding_attention=dict(rope_type="default",
+                                                                                rope_theta=cfg.rope_local_theta))
+    else:
+        ours.update(rope_theta=cfg.rope_theta, rope_local_base_freq=cfg.rope_local_theta,
+                    rope_scaling=cfg.rope_scaling and dict(cfg.rope_scaling))
+    return ours
+
 # -----------------------------------------------------------------------------
 # weights
 
@@ -156,7 +213,7 @@ def layout(cfg, shapes):
             out[name] = (name, 0, shape[0], name.endswith(GPT2_TRANSPOSED))
             continue
         key = name
-        for ours, theirs in LLAMA_NAMES:
+        for ours, theirs in GEMMA3_NAMES if cfg.model_type == "gemma3_text" else LLAMA_NAMES:
             key = key.replace(ours, theirs)
         q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
         parts = ([("q_proj", q), ("k_proj", kv), ("v_proj", kv)] if ".c_attn." in name else
@@ -229,6 +286,10 @@ def load_weights(path, cfg, ours, tensors=None):
             name = "transformer." + key  # the original openai-community/gpt2 files have no prefix
         if name.endswith((".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")):
             continue  # buffers that old GPT-2 (causal mask) and Llama (rotary) files carry: model.py makes its own
+        if cfg.model_type == "gemma3_text" and name.startswith(MULTIMODAL_TEXT):
+            name = "model." + name.split(".", 2)[2]
+        elif cfg.model_type == "gemma3_text" and ("vision_tower." in name or "multi_modal_projector." in name):
+            continue  # a multimodal Gemma 3's image encoder, which the text model never reads
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             heads.append((file, t))  # a tied output layer stored anyway: checked against the embedding below
             continue

@@ -65,3 +65,17 @@ def micro_batches(batch, size, need):
         L = max(int(need[rows].max()), 1)
         mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k not in ('idx', 'start')}
         yield rows, dict(mb, idx=idx.view(-1, T), pos=pos.view(-1, T), start=begin[own] + 1, tokens=len(at))
+
+
+def attention_mask(pos):
+    """The key mask (B, 1, T, T) of packed rows, from each token's position pos (B, T) in its own row. A prompt
+    begins at 0; a row begins wherever positions do not go on by one, and one that begins past 0 carries on the
+    prompt before it (the rows of a group share its tokens): it sees the prompt's tokens at the positions before its
+    own first one, and its own, never another row's."""
+    t = torch.arange(pos.size(1), device=pos.device)
+    new = torch.cat((pos[:, :1] >= 0, pos[:, 1:] != pos[:, :-1] + 1), 1)  # (B, T) a row begins here
+    row, prompt = new.cumsum(1), (pos == 0).cumsum(1)  # (B, T) which row and which prompt a token is in
+    first = pos - t + torch.where(new, t, 0).cummax(1).values  # (B, T) the position its row begins at
+    seen = (row[:, :, None] == row[:, None, :]) | ((prompt[:, :, None] == prompt[:, None, :]) &
+                                                   (pos[:, None, :] < first[:, :, None]))  # (B, T, T) q, k
+    return seen.tril()[:, None]  # causal

@@ -274,3 +274,114 @@ def write_tokenizer_gguf(path, tokens, scores, types, metadata, arch="gemma3"):
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Gemma 3 (llama.cpp's architecture 'gemma3', its converter's Gemma3Model), written from a Hugging Face checkpoint
+# folder (config.json in either transformers layout, model.safetensors) rather than from a GPT of ours
+GEMMA_VOCAB = os.path.join(FIXTURES, "tiny-gemma3", "gguf_vocab.json")  # a SentencePiece vocabulary cut from Gemma 3's
+GEMMA3_NAMES = {**NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gemma3_gguf_name(hf_name):
+    """'model.layers.3.pre_feedforward_layernorm.weight' -> 'blk.3.ffn_norm.weight': Gemma's four norms a layer are
+    attn_norm, post_attention_norm, ffn_norm and post_ffw_norm (a Llama's post_attention_layernorm is ffn_norm)."""
+    body, kind = hf_name.removeprefix("model.").rsplit(".", 1)
+    if body.startswith("layers."):
+        _, i, rest = body.split(".", 2)
+        return f"blk.{i}.{GEMMA3_NAMES[rest]}.{kind}"
+    return f"{GEMMA3_NAMES[body]}.{kind}"
+
+
+def gemma3_hparams(config):
+    """(global rope theta, linear rope scaling factor or None) from a Gemma 3 config.json in the transformers-5 layout
+    (rope_parameters per layer type) or the transformers-4 one (rope_theta, rope_scaling)."""
+    rope = (config.get("rope_parameters") or {}).get("full_attention")
+    if rope is None:
+        rope = dict(config.get("rope_scaling") or {}, rope_theta=config.get("rope_theta", 1_000_000.0))
+    factor = rope.get("factor") if rope.get("rope_type", rope.get("type")) == "linear" else None
+    return float(rope.get("rope_theta", 1_000_000.0)), factor
+
+
+def write_gemma3_gguf(path, folder, qtype="F32", vocab=GEMMA_VOCAB, drop=(), metadata=None, extra=None,
+                      norm_shift=1.0, seed=0):
+    """The Gemma 3 checkpoint in folder as a GGUF at path, as llama.cpp's converter (Gemma3Model) writes one: the
+    keys gemma3.{context_length, embedding_length, block_count, feed_forward_length, attention.head_count,
+    attention.layer_norm_rms_epsilon, attention.key_length, attention.value_length, rope.freq_base (the full-attention
+    layers' theta), attention.sliding_window, attention.head_count_kv} and, for linear rope scaling,
+    rope.scaling.type 'linear' and rope.scaling.factor; nothing for the layer pattern, the sliding layers' rope theta
+    or query_pre_attn_scalar (llama.cpp assumes every 6th layer full, 10000, and 1/sqrt(key_length) except for
+    62-layer models). The SentencePiece vocabulary `vocab` (a gguf_vocab.json: tokens, scores, types, metadata)
+    with add_sep_token and add_space_prefix false; the embedding cut to the vocabulary's length (the converter drops
+    the rows the tokenizer has no token for); every *norm.weight shifted by norm_shift (+1: the converter stores
+    Gemma's 1 + w; 0 plants the mistake), in F32; the matrices in qtype; no output.weight (Gemma ties its head). drop,
+    metadata (None removes a key) and extra as in write_gguf."""
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    voc = _load(vocab) if isinstance(vocab, str) else vocab
+    theta, factor = gemma3_hparams(config)
+    assert config.get("attn_logit_softcapping") is None  # the converter's own assertion
+    head_dim = config.get("head_dim", 256)
+    arch, rng = "gemma3", np.random.default_rng(seed)
+    keys = {f"{arch}.context_length": config.get("max_position_embeddings", 131072),
+            f"{arch}.embedding_length": config["hidden_size"], f"{arch}.block_count": config["num_hidden_layers"],
+            f"{arch}.feed_forward_length": config["intermediate_size"],
+            f"{arch}.attention.head_count": config.get("num_attention_heads", 8),
+            f"{arch}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+            f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim,
+            f"{arch}.rope.freq_base": theta}
+    if config.get("final_logit_softcapping"):
+        keys[f"{arch}.final_logit_softcapping"] = float(config["final_logit_softcapping"])
+    keys[f"{arch}.attention.sliding_window"] = config["sliding_window"]
+    keys[f"{arch}.attention.head_count_kv"] = config.get("num_key_value_heads", 4)
+    if factor is not None:
+        keys[f"{arch}.rope.scaling.type"] = "linear"
+        keys[f"{arch}.rope.scaling.factor"] = float(factor)
+    meta = voc["metadata"]
+    keys.update({"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+                 "tokenizer.ggml.tokens": voc["tokens"], "tokenizer.ggml.scores": [float(s) for s in voc["scores"]],
+                 "tokenizer.ggml.token_type": voc["types"],
+                 **{k: meta[k] for k in meta if k.endswith("_token_id")},
+                 "tokenizer.ggml.add_bos_token": meta.get("tokenizer.ggml.add_bos_token", True),
+                 "tokenizer.ggml.add_sep_token": False,
+                 "tokenizer.ggml.add_eos_token": meta.get("tokenizer.ggml.add_eos_token", False),
+                 "tokenizer.ggml.add_space_prefix": False, **(metadata or {})})
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in keys.items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for hf_name, t in tensors.items():
+        if hf_name.startswith("lm_head."):  # the converter skips it
+            continue
+        name, w = gemma3_gguf_name(hf_name), t.float().numpy()
+        if name in drop:
+            continue
+        if name == "token_embd.weight":
+            w = w[:len(voc["tokens"])]
+        if hf_name.endswith("norm.weight"):
+            w = w + np.float32(norm_shift)
+        kind = gguf.GGMLQuantizationType[qtype if w.ndim == 2 else "F32"]
+        if kind.name in K_SCALES:
+            writer.add_tensor(name, random_k_quant(w.shape, kind, rng), raw_dtype=kind)
+        elif kind.name in ("F32", "F16"):
+            writer.add_tensor(name, w.astype(np.float32 if kind.name == "F32" else np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+    for name, w in (extra or {}).items():
+        writer.add_tensor(name, w.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

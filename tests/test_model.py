@@ -86,10 +86,9 @@ def test_cached_equals_uncached(tiny, temperature):
                                                           torch.Generator().manual_seed(1))
     assert torch.equal(tokens, ref_tokens) and mask.all()
     torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=0)
-    # the prefill logits of each prompt (one row each), then one (N, V) per decode step
-    prefill = torch.cat(seen[:len(PROMPTS)]).repeat_interleave(G, 0)
-    torch.testing.assert_close(prefill, ref_logits[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.stack(seen[len(PROMPTS):]), torch.stack(ref_logits[1:]), atol=1e-5, rtol=0)
+    # the prefill logits (a row a prompt, the output layer once for all), then one (N, V) per decode step
+    torch.testing.assert_close(seen[0].repeat_interleave(G, 0), ref_logits[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.stack(seen[1:]), torch.stack(ref_logits[1:]), atol=1e-5, rtol=0)
 
 def test_eos_ends_rows_and_compacts_batch(tiny):
     prompts, steps = [[p, (7 * p) % 257] for p in range(0, 257, 16)], 24  # 17 prompts
@@ -99,7 +98,7 @@ def test_eos_ends_rows_and_compacts_batch(tiny):
     seen, handle = record_logits(tiny)
     tokens, mask, logps = tiny.generate(prompts, steps, temperature=0, eos_id=eos)
     handle.remove()
-    assert min(out.size(0) for out in seen[len(prompts):]) < len(prompts), "finished rows were never dropped"
+    assert min(out.size(0) for out in seen[1:]) < len(prompts), "finished rows were never dropped"
     for row, ref in zip(range(len(prompts)), ref_tokens):
         ends = (ref == eos).nonzero()
         n = int(ends[0]) + 1 if len(ends) else steps  # real tokens, eos included

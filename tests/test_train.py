@@ -255,19 +255,29 @@ def packing_case(case):
     return idx, start, need, 3
 
 
+SMALL = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16)
+GEMMA3 = dict(SMALL, model_type='gemma3_text', bias=False, qk_norm=True, sliding_window=3, rope_local_theta=1e4,
+              layer_types=('sliding_attention', 'full_attention'), query_pre_attn_scalar=5.0)  # windows of 3
+
+
+@pytest.mark.parametrize('family', ['gpt2', 'gemma3_text'])
 @pytest.mark.parametrize('case', ['rows', 'groups', 'one sequence, two groups'])
-def test_micro_batches_pack_rows_and_change_nothing_but_the_work(case):
+def test_micro_batches_pack_rows_and_change_nothing_but_the_work(case, family):
     """rollout.micro_batches: ceil(B / size) micro-batches of at most `size` packed sequences, none longer than the
     longest row, every row once with its own tokens and positions, each sequence holding the tokens of a prompt
     once however many of its rows it holds; the log-probs, entropies and gradients of packed micro-batches equal
-    those of each row alone (float64), and the log-prob pass equals one over the padded batch."""
+    those of each row alone (float64), and the log-prob pass equals one over the padded batch; for Gemma 3 too,
+    whose sliding layers see only the last 3 positions of a row (its prompt's included)."""
     from rollout import logprobs, micro_batches
     from types import SimpleNamespace
     idx, start, need, size = packing_case(case)
     B, C = len(need), int(need.max())
     mask = torch.arange(C) < need[:, None]  # (B, C) prefixes
     batch = dict(idx=idx, start=start, mask=mask, advantages=torch.randn(B, generator=torch.Generator()))
-    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16)).double()
+    model = GPT(GPTConfig(**(SMALL if family == 'gpt2' else GEMMA3))).double()
+    for name, p in model.named_parameters():  # Gemma's norms start at w = 0, the identity: make them matter
+        if family != 'gpt2' and 'norm' in name:
+            torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(len(name)))
     w1, w2 = torch.randn(B, C, dtype=torch.float64), torch.randn(B, C, dtype=torch.float64)
     seen, packed, sequences, tokens = [], 0.0, 0, 0
     for rows, mb in micro_batches(batch, size):
