@@ -264,7 +264,7 @@ def load_dataset(name, split="train", seed=0, size=None, **task_options):
 
 def default_reward(name, rows):
     """(names for reward.get_reward_fns, weights): how dataset `name` with these `rows` is scored unless the
-    config says otherwise. The accuracy comes first (train.py logs the first function as the accuracy), then a
+    config says otherwise. The verifier comes first (the accuracy, unless the config names another), then a
     format reward at 0.1 where there is one: a right answer in any form (1.0) outranks a well-formed wrong one
     (0.1), yet in a group of wrong answers the well-formed ones still get the advantage, toward what the verifier
     reads best."""
@@ -295,8 +295,7 @@ def check_rows(rows, name, cfg, enc, least=1):
 
 def load_task(cfg, enc):
     """The run's data and rewards, with everything that can be wrong with them found now, before any work:
-    (train rows, held-out rows, reward functions, their weights). The first reward function is the accuracy the
-    logs and the evaluations report."""
+    (train rows, held-out rows, reward functions, their weights); evaluate.with_accuracy picks the accuracy."""
     train = load_dataset(cfg.task, 'train', seed=cfg.seed, **cfg.task_options)
     test = load_dataset(cfg.test_task or cfg.task, 'test', seed=cfg.seed, size=cfg.eval_size, **cfg.task_options)
     names, weights = (cfg.reward_funcs, cfg.reward_weights or (1.0,) * len(cfg.reward_funcs)) if cfg.reward_funcs \

@@ -106,8 +106,7 @@ num_iterations, steps_per_generation = 1, 1  # mu: passes over each rollout; opt
 max_iters, micro_batch_size = 1200, 64  # rollouts; completions per forward/backward on each rank
 learning_rate = 1e-4  # RL wants small steps (docs/performance.md: larger ones learnt slower on the default task)
 weight_decay, beta1, beta2, grad_clip = 0.0, 0.9, 0.99, 1.0  # AdamW's; grad norm clip, 0 = off
-warmup_iters = 0  # optimizer steps of linear warmup
-lr_schedule, min_lr_ratio = 'constant', 0.1  # or 'cosine', down to min_lr_ratio * learning_rate
+warmup_iters, lr_schedule, min_lr_ratio = 0, 'constant', 0.1  # linear warmup steps; 'cosine' down to the ratio
 ref_sync_every = 0  # copy the policy into the reference model every N iterations; 0 = never
 ref_model_mixup_alpha = 1.0  # at a sync, ref = alpha * policy + (1 - alpha) * ref (TR-DPO); 1 = a copy
 max_bad_steps = 3  # stop after this many non-finite steps in a row
