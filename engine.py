@@ -10,6 +10,7 @@ model.decode_graphs (train.py's cuda_graphs) the steps are replayed as CUDA grap
 the cache is kept across calls, grown to the largest batch and sequence seen, since a graph reads the addresses it was
 captured with.
 """
+import contextlib
 import weakref
 
 import torch
@@ -55,13 +56,28 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     was_training = model.training
     model.eval()
     try:
-        with multiturn.observer(turns, turn_workers) as observe:  # None: one turn
+        with multiturn.observer(turns, turn_workers) as observe, cast_once(model):  # observe None: one turn
             return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator,
                              observe)
     finally:
         model.train(was_training)
         if not model.decode_graphs:  # only the graphs need the cache where it was
             _CACHES.pop(model, None)
+
+
+@contextlib.contextmanager
+def cast_once(model):
+    """Under autocast, each weight cast to bf16 once a call, not once a step: autocast keeps its casts (until its
+    block ends) of parameters that require grad only, so a frozen one (LoRA's base, its output layer most of all)
+    is marked as one meanwhile; under no_grad that builds no graph, and changes no number."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 def static_cache(model, N, S, dtype, device):

@@ -32,13 +32,16 @@ max_completion_length = 16
 loss_type = 'dr_grpo'
 scale_rewards = 'none'
 beta = 0.0
-# 16 prompts x 8 completions = 128 per rollout, one optimizer step over 8 micro-batches of 16 (gradient
+# 16 prompts x 8 completions = 128 per rollout, one optimizer step over 2 micro-batches of 64 (gradient
 # accumulation; each rollout used once, on-policy)
 prompts_per_step = 16
 num_generations = 8
-micro_batch_size = 16
+micro_batch_size = 64
 max_iters = 30
-learning_rate = 2e-5
+# LoRA on every linear layer of the blocks: the 262k x 640 embedding, which is the output layer too, stays frozen
+# (no gradient, no AdamW state for its 168M weights); a LoRA wants a larger step than full fine-tuning
+lora_rank = 16
+learning_rate = 2e-4
 eval_interval = 10
 eval_size = 500  # all of the held-out questions
 save_interval = 0

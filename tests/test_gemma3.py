@@ -181,3 +181,32 @@ def test_the_pretrained_270m_matches_transformers():
     assert torch.equal(at.topk(32).indices, ref["top_ids"])
     tokens, _, _ = model.generate([ref["ids"].tolist()], 16, temperature=0)
     assert torch.equal(tokens[0], ref["greedy_new_tokens"])
+
+
+# -----------------------------------------------------------------------------
+# its turns and prompts, with its SentencePiece tokenizer (tests/fixtures/tiny-gemma3)
+
+def test_its_chat_turns_and_a_base_model_s_prompt(tmp_path):
+    """Gemma 3's own template (transformers' rendering: test_chat_templates) starts with <bos> once and ends a turn
+    with <end_of_turn>, the first stop id; a raw prompt gets the <bos> the tokenizer's checkpoint starts texts with;
+    stop_tokens adds one-token strings (a base model's newlines) and refuses others in one line."""
+    from types import SimpleNamespace
+    from lib.chat import encode_prompt, load_template, stop_ids
+    from lib.tokenizer import get_tokenizer
+    shutil.copy(os.path.join(FIXTURES, "tiny-gemma3", "tokenizer.json"), tmp_path)  # a checkpoint's files
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(bos_token="<bos>", eos_token="<eos>")))
+    path = str(tmp_path)
+    enc = get_tokenizer(path)
+    template = load_template(os.path.join(FIXTURES, "chat_templates", "gemma3.jinja"), checkpoint=path)
+    ids = {t: enc.encode_single_token(t) for t in ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "\n")}
+    cfg = SimpleNamespace(template=template, system_prompt=None, chat_template_kwargs={}, environment=None)
+    prompt = encode_prompt("What is 7 times 8?", cfg, enc)
+    assert prompt[:2] == [ids["<bos>"], ids["<start_of_turn>"]] and prompt.count(ids["<bos>"]) == 1
+    assert stop_ids(enc, template, path)[0] == ids["<end_of_turn>"] and ids["<eos>"] in stop_ids(enc, template, path)
+    raw = encode_prompt("Question: What is 7 times 8?\nAnswer:", SimpleNamespace(**dict(vars(cfg), template=None)),
+                        enc)
+    assert raw == [ids["<bos>"]] + enc.encode_ordinary("Question: What is 7 times 8?\nAnswer:")
+    assert stop_ids(enc, None, path, stop=("\n",))[-1] == ids["\n"]
+    with pytest.raises(ConfigError, match="stop_tokens: 'Answer:' is [0-9]+ tokens") as e:
+        stop_ids(enc, None, path, stop=("Answer:",))
+    assert "\n" not in str(e.value)
