@@ -37,7 +37,7 @@ beta = 0.0
 prompts_per_step = 16
 num_generations = 8
 micro_batch_size = 64
-max_iters = 30
+max_iters = 20
 # LoRA on every linear layer of the blocks: the 262k x 640 embedding, which is the output layer too, stays frozen
 # (no gradient, no AdamW state for its 168M weights); a LoRA wants a larger step than full fine-tuning
 lora_rank = 16

@@ -183,7 +183,7 @@ def write_config(path, cfg, dtype):
 
 def _gemma3_keys(cfg, old):
     """write_config's keys for Gemma 3, in the layout the checkpoint had (transformers 5's or 4's)."""
-    full = dict(rope_type="default", rope_theta=cfg.rope_theta, **(cfg.rope_scaling or {}))
+    full = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     ours = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
                 vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.n_inner,
                 num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,

@@ -37,6 +37,11 @@ PRESETS = {
                        n_inner=3072, qk_norm=True),
     "smollm2-135m": dict(model_type="llama", n_layer=30, n_head=9, n_kv_head=3, n_embd=576, n_inner=1536,
                          vocab_size=49152, bias=False, rope_theta=100000.0),  # config/smollm2.py's model
+    "gemma-3-270m": dict(model_type="gemma3_text", n_layer=18, n_head=4, n_kv_head=1, n_embd=640, head_dim=256,
+                         n_inner=2048, vocab_size=262144, bias=False, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+                         sliding_window=512, rope_local_theta=1e4, query_pre_attn_scalar=256,
+                         layer_types=tuple("full_attention" if i % 6 == 5 else "sliding_attention"
+                                           for i in range(18))),  # config/gemma3.py's model
     "llama-3.2-1b": dict(model_type="llama", n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, n_inner=8192,
                          vocab_size=128256, bias=False, rope_theta=500000.0, rope_scaling=dict(
                              factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
