@@ -87,7 +87,9 @@ returns this micro-batch's share of the whole step's objective: summing the grad
 micro-batch on every rank gives exactly the gradient of the step objective, provided num_sequences
 and num_tokens count the whole step (they default to this micro-batch's, i.e. one micro-batch per
 step). DDP averages gradients over ranks, so the trainer multiplies the loss by world_size before
-backward.
+backward. The stats it returns are shares in the same way (a token sum over num_tokens), so their
+sums over the step are the step's token means, the same whatever its layout; the maxima among
+them (MAX_STATS) are the largest of the micro-batches'.
 """
 
 import functools
@@ -111,9 +113,12 @@ def _mean_std(x, valid):
     return mean, var.sqrt()
 
 
-def _masked_mean(x, valid):
-    """Mean of x over the valid entries, in float64 (x may be a bool mask); 0 (not NaN) when there are none."""
-    return torch.where(valid, x, 0).sum(dtype=torch.float64) / valid.sum().clamp(min=1)
+def _token_share(x, valid, num_tokens):
+    """
+    x summed over the valid entries in float64 (x may be a bool mask), over num_tokens: this
+    micro-batch's share of the step's token mean, as its loss is its share of the step's loss.
+    """
+    return torch.where(valid, x, 0).sum(dtype=torch.float64) / num_tokens
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", estimator="grpo"):
@@ -217,8 +222,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     sampler_correction weigh the policy term only; dropped tokens still count in the normalisers.
     use_bias_correction_kl changes the KL's gradient even on-policy, where r = 1 in value:
     d(r KL) = KL d(logp) + d(KL).
-    Returns (loss, stats): a scalar and a dict of detached 0-dim tensors, fractions over this
-    micro-batch's tokens.
+    Returns (loss, stats): a scalar and a dict of detached 0-dim tensors. The stats follow the
+    loss's contract: each is this micro-batch's share of a token mean over the step (a sum over its
+    tokens / num_tokens), so that their sums over the step's micro-batches and ranks are the step's
+    means, whatever its layout; the maxima (MAX_STATS) are this micro-batch's own.
     """
     args = locals()  # the arguments, before anything else is defined here
     check_settings({k: args[k] for k in settings()}, combinations=False)
@@ -272,15 +279,15 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     if entropy_coef != 0:  # a bonus on the step's mean token entropy, the same for every loss_type
         loss = loss - entropy_coef * torch.where(valid, entropy, 0.0).sum() / num_tokens
 
-    stats = loss_stats(valid, ratio, kl, clipped_low, clipped_high)
+    stats = loss_stats(valid, num_tokens, ratio, kl, clipped_low, clipped_high)
     if reported:
-        stats.update(sampler_stats(valid, sampler_gap, sampler_logps, old_logps))
+        stats.update(sampler_stats(valid, num_tokens, sampler_gap, sampler_logps, old_logps))
     if entropy is not None:
-        stats["entropy"] = _masked_mean(entropy, valid)
-    if off_policy_mask_threshold is not None:
-        stats["off_policy_masked"] = _masked_mean(off_policy.expand_as(valid), valid)  # of tokens
+        stats["entropy"] = _token_share(entropy, valid, num_tokens)
+    if off_policy_mask_threshold is not None:  # the share of tokens, not of sequences
+        stats["off_policy_masked"] = _token_share(off_policy.expand_as(valid), valid, num_tokens)
     if sampler_correction != "none":
-        stats["sampler_correction/weight"] = _masked_mean(rho.expand_as(valid), valid)
+        stats["sampler_correction/weight"] = _token_share(rho.expand_as(valid), valid, num_tokens)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
@@ -427,28 +434,36 @@ def aggregate(per_token, lengths, loss_type, num_sequences, num_tokens, max_comp
     return loss
 
 
-def loss_stats(valid, ratio, kl, clipped_low, clipped_high):
-    """What grpo_loss logs of every micro-batch: means over its valid tokens, the largest ratio."""
+# the stats that are maxima: a step's is the largest of its micro-batches', not their sum
+MAX_STATS = ("ratio/max", "sampler/rho_max")
+
+
+def loss_stats(valid, num_tokens, ratio, kl, clipped_low, clipped_high):
+    """
+    What grpo_loss logs of every micro-batch: its shares of the step's token means (_token_share)
+    and its largest ratio.
+    """
     return {
-        "kl": _masked_mean(kl, valid),
-        "clip_ratio/low": _masked_mean(clipped_low, valid),
-        "clip_ratio/high": _masked_mean(clipped_high, valid),
-        "clip_ratio/region": _masked_mean(clipped_low | clipped_high, valid),
-        "ratio/mean": _masked_mean(ratio, valid),
-        "ratio/max": torch.where(valid, ratio, 0.0).max(),  # ratios are > 0: 0 marks an empty batch
+        "kl": _token_share(kl, valid, num_tokens),
+        "clip_ratio/low": _token_share(clipped_low, valid, num_tokens),
+        "clip_ratio/high": _token_share(clipped_high, valid, num_tokens),
+        "clip_ratio/region": _token_share(clipped_low | clipped_high, valid, num_tokens),
+        "ratio/mean": _token_share(ratio, valid, num_tokens),
+        # ratios are > 0, so a 0 marks a micro-batch without a token that counts
+        "ratio/max": torch.where(valid, ratio, 0.0).max(),
     }
 
 
-def sampler_stats(valid, sampler_gap, sampler_logps, old_logps):
+def sampler_stats(valid, num_tokens, sampler_gap, sampler_logps, old_logps):
     """
     The gap between the log-probs the sampler reported and the trainer's own (bf16 sampling, or the
     full softmax trained on top-k/top-p samples): their mean distance and k3's KL(sampler ||
-    trainer), in float64, where float32's rounding of exp(x) - x - 1 would swamp a gap of a few
-    ulps.
+    trainer) as shares of the step's token means, and the largest rho = pi_old / pi_sampler. In
+    float64, where float32's rounding of exp(x) - x - 1 would swamp a gap of a few ulps.
     """
     kl_gap = kl_divergence(sampler_logps.double(), old_logps.detach().double())  # (B, T)
-    return {"sampler/logp_diff": _masked_mean(sampler_gap.abs(), valid),
-            "sampler/kl": _masked_mean(kl_gap, valid),
+    return {"sampler/logp_diff": _token_share(sampler_gap.abs(), valid, num_tokens),
+            "sampler/kl": _token_share(kl_gap, valid, num_tokens),
             "sampler/rho_max": torch.where(valid, sampler_gap, -math.inf).max().exp()}
 
 

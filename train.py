@@ -20,14 +20,14 @@ import torch
 from configurator import check_config, check_device, configure, one_line_errors
 from data import load_task
 from evaluate import evaluate, report, with_accuracy
-from loss import grpo_loss
+from loss import MAX_STATS, grpo_loss
 from model import GPT, GPTConfig
 from rollout import last_counted, micro_batches, prompt_seed, rollout, rollout_metrics, top_entropy_mask, truncation
 import sft
 from lib import chat, checkpoint, lora, multiturn, parallelism
 from lib.errors import need_package
 from lib.measure import fastest_dtype, iteration_line, iteration_metrics, log, matmul_peak, memory_mb, phase
-from lib.parallelism import all_sum, full, gathered
+from lib.parallelism import all_sum, full, gather, gathered
 from lib.tokenizer import get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -231,8 +231,9 @@ def policy_update(batch, times, step):
                     parallelism.set_grad_sync(model, m == rows // micro_batch_size - 1)  # reduce on the last only
                     stats, counts = forward_backward(mb, rows * world_size, num_tokens)
                     ran.update({k: ran[k] + v for k, v in counts.items()})
-                    for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v.detach().double()
+                    for k, v in stats.items():  # shares of the step's means add up; maxima do not
+                        v = v.detach().double()
+                        sums[k] = v if k not in sums else sums[k].maximum(v) if k in MAX_STATS else sums[k] + v
             with phase(times, 'optimizer', device):
                 norm = full(torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf))  # DTensor
                 # under FSDP; the ranks share one gradient, but a NaN on one must stop them all
@@ -244,8 +245,11 @@ def policy_update(batch, times, step):
                     step += 1
                 bad += not finite
                 optimizer.zero_grad(set_to_none=True)
-    n = num_iterations * steps_per_generation * (rows // micro_batch_size) * world_size  # micro-batches in all
-    stats = dict(zip(sums, (all_sum(torch.stack(list(sums.values()))) / n).tolist()))
+    # each optimizer step's token means (their shares summed over micro-batches and ranks), averaged over the
+    # steps, and the maxima over every step and rank: numbers of the steps, the same whatever their layout
+    values = torch.stack(list(sums.values()))
+    means, maxima = all_sum(values) / (num_iterations * steps_per_generation), gather(values[None]).amax(0)
+    stats = {k: (maxima if k in MAX_STATS else means)[i].item() for i, k in enumerate(sums)}
     ran = dict(zip(ran, all_sum(torch.tensor(list(ran.values()), dtype=torch.float64)).tolist()))  # over ranks
     # the padding's share of what ran, and the share of the rows' tokens a shared prompt saved
     return dict(stats, grad_norm=norm.item(), lr=get_lr(max(step - 1, 0)), flops=ran['flops'],
