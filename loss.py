@@ -106,7 +106,10 @@ SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncat
 
 
 def _mean_std(x, valid):
-    """Mean and sample (n-1) std over the valid entries of the last dim; the std is 0 with fewer than 2 entries."""
+    """
+    Mean and sample (n-1) std over the valid entries of the last dim; the std is 0 with fewer than
+    2 entries.
+    """
     n = valid.sum(-1, keepdim=True)
     mean = torch.where(valid, x, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)
     var = (torch.where(valid, x - mean, 0.0) ** 2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)
@@ -123,28 +126,33 @@ def _token_share(x, valid, num_tokens):
 
 def group_advantages(rewards, num_generations, scale_rewards="group", estimator="grpo"):
     """
-    rewards: (B,) float, groups are contiguous blocks of num_generations rows; NaN marks a reward that does not
-    apply, which is left out of the statistics and gets advantage 0. The baseline (estimator) is the group mean
-    ("grpo"), the mean of the group's other rewards ("rloo": an unbiased baseline, G/(G-1) times grpo's advantage),
-    or the group mean followed by whitening over the whole batch ("reinforce_pp", REINFORCE++'s baseline variant;
-    over completions, where verl weighs each by its token count). grpo and rloo then divide by the sample std of
-    the "group" (DeepSeekMath), of the whole "batch" (steadier when G is small), or "none" (Dr. GRPO: the std
-    division over-weights groups that are almost all right or all wrong); reinforce_pp has its own batch scale
-    and takes "none". Returns (B,) advantages.
+    rewards: (B,) float, groups are contiguous blocks of num_generations rows; NaN marks a reward
+    that does not apply, which is left out of the statistics and gets advantage 0. The baseline
+    (estimator) is the group mean ("grpo"), the mean of the group's other rewards ("rloo": an
+    unbiased baseline, G/(G-1) times grpo's advantage), or the group mean followed by whitening over
+    the whole batch ("reinforce_pp", REINFORCE++'s baseline variant; over completions, where verl
+    weighs each by its token count). grpo and rloo then divide by the sample std of the "group"
+    (DeepSeekMath), of the whole "batch" (steadier when G is small), or "none" (Dr. GRPO: the std
+    division over-weights groups that are almost all right or all wrong); reinforce_pp has its own
+    batch scale and takes "none". Returns (B,) advantages.
     """
     check_settings(dict(scale_rewards=scale_rewards, advantage_estimator=estimator))
     B, G = rewards.shape[0], num_generations
     if G < 1 or B % G:
-        raise ValueError(f"{B} rewards do not split into groups of num_generations={G}; B must be a multiple of G")
+        raise ValueError(f"{B} rewards do not split into groups of num_generations={G}; B must be "
+                         f"a multiple of G")
     valid = ~torch.isnan(rewards.view(-1, G))  # (B/G, G)
     r = torch.where(valid, rewards.view(-1, G), 0.0)  # (B/G, G)
     mean, std = _mean_std(r, valid)  # (B/G, 1) each
     advantages = r - mean  # (B/G, G)
-    if estimator == "rloo":  # r_i - (sum - r_i) / (n - 1) = n / (n - 1) (r_i - mean); a lone reward gets 0
+    # rloo: r_i - (sum - r_i) / (n - 1) = n / (n - 1) (r_i - mean), and a lone reward has no
+    # baseline at all, so it gets 0
+    if estimator == "rloo":
         n = valid.sum(-1, keepdim=True)  # (B/G, 1)
         advantages = torch.where(n > 1, advantages * n / (n - 1).clamp(min=1), 0.0)
     if estimator == "reinforce_pp":  # whitened with the batch's mean and std of the centred rewards
-        batch_mean, std = _mean_std(torch.where(valid, advantages, 0.0).view(1, -1), valid.view(1, -1))  # (1, 1)
+        centred = torch.where(valid, advantages, 0.0).view(1, -1)
+        batch_mean, std = _mean_std(centred, valid.view(1, -1))  # (1, 1) each
         advantages = advantages - batch_mean
     elif scale_rewards == "batch":
         std = _mean_std(r.view(1, -1), valid.view(1, -1))[1]  # (1, 1)
@@ -155,24 +163,28 @@ def group_advantages(rewards, num_generations, scale_rewards="group", estimator=
 
 def decoupled_advantages(scores, weights, num_generations):
     """
-    GDPO (TRL's multi_objective_aggregation="normalize_then_sum"): with several reward functions, summing first
-    lets the one with the widest spread drown the others inside a group; instead each function's scores (a column
-    of scores (B, F), NaN where it does not apply) are normalised within their group, the weighted sum is taken, and
-    that is normalised over the whole batch. A completion no function scored gets 0. Returns (B,) advantages.
+    GDPO (TRL's multi_objective_aggregation="normalize_then_sum"): with several reward functions,
+    summing first lets the one with the widest spread drown the others inside a group; instead each
+    function's scores (a column of scores (B, F), NaN where it does not apply) are normalised within
+    their group, the weighted sum is taken, and that is normalised over the whole batch. A
+    completion no function scored gets 0. Returns (B,) advantages.
     """
     B = scores.shape[0]
     scored = ~torch.isnan(scores).all(-1)  # (B,)
-    total = sum(w * group_advantages(scores[:, f], num_generations, "group") for f, w in enumerate(weights))  # (B,)
+    total = sum(w * group_advantages(scores[:, f], num_generations, "group")
+                for f, w in enumerate(weights))  # (B,)
     total = torch.where(scored, total, float("nan"))
-    return group_advantages(total, B, "group")  # the batch as one group: centred and scaled by its std
+    # the batch as one group: centred and scaled by its std
+    return group_advantages(total, B, "group")
 
 
 def entropy_threshold(entropy, mask, quantile):
     """
-    Beyond the 80/20 rule: the entropy at or above which a token is among the top `quantile` share (0 < rho <= 1)
-    of the valid tokens, the (1 - rho) quantile with linear interpolation. Pass every token of the optimizer step
-    (all micro-batches, all ranks): the choice then does not depend on how the step is split. entropy_mask =
-    entropy >= threshold selects the policy term's tokens in grpo_loss; no valid token gives +inf.
+    Beyond the 80/20 rule: the entropy at or above which a token is among the top `quantile` share
+    (0 < rho <= 1) of the valid tokens, the (1 - rho) quantile with linear interpolation. Pass every
+    token of the optimizer step (all micro-batches, all ranks): the choice then does not depend on
+    how the step is split. entropy_mask = entropy >= threshold selects the policy term's tokens in
+    grpo_loss; no valid token gives +inf.
     """
     values = entropy[mask.bool()]
     if values.numel() == 0:
@@ -182,13 +194,14 @@ def entropy_threshold(entropy, mask, quantile):
 
 def kl_divergence(logps, ref_logps, estimator="k3"):
     """
-    Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by the policy, (B, T) -> (B, T), with
-    Schulman's estimators (http://joschu.net/blog/kl-approx.html). Used as a loss on on-policy samples, their
-    expected gradients differ: k1's is zero, k2's is that of KL(pi_theta || pi_ref) and k3's that of
-    KL(pi_ref || pi_theta).
+    Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by the policy, (B, T) ->
+    (B, T), with Schulman's estimators (http://joschu.net/blog/kl-approx.html). Used as a loss on
+    on-policy samples, their expected gradients differ: k1's is zero, k2's is that of
+    KL(pi_theta || pi_ref) and k3's that of KL(pi_ref || pi_theta).
     """
     check_settings(dict(kl_estimator=estimator))
-    log_ratio = (ref_logps - logps).clamp(-20.0, 20.0)  # log(pi_ref / pi_theta); clamped so exp cannot overflow
+    # log(pi_ref / pi_theta), clamped so that exp cannot overflow
+    log_ratio = (ref_logps - logps).clamp(-20.0, 20.0)
     if estimator == "k1":
         return -log_ratio  # unbiased, but noisy and often negative
     if estimator == "k2":
