@@ -87,7 +87,9 @@ returns this micro-batch's share of the whole step's objective: summing the grad
 micro-batch on every rank gives exactly the gradient of the step objective, provided num_sequences
 and num_tokens count the whole step (they default to this micro-batch's, i.e. one micro-batch per
 step). DDP averages gradients over ranks, so the trainer multiplies the loss by world_size before
-backward.
+backward. The stats it returns are shares in the same way (a token sum over num_tokens), so their
+sums over the step are the step's token means, the same whatever its layout; the maxima among
+them (MAX_STATS) are the largest of the micro-batches'.
 """
 
 import functools
@@ -104,42 +106,53 @@ SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncat
 
 
 def _mean_std(x, valid):
-    """Mean and sample (n-1) std over the valid entries of the last dim; the std is 0 with fewer than 2 entries."""
+    """
+    Mean and sample (n-1) std over the valid entries of the last dim; the std is 0 with fewer than
+    2 entries.
+    """
     n = valid.sum(-1, keepdim=True)
     mean = torch.where(valid, x, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)
     var = (torch.where(valid, x - mean, 0.0) ** 2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)
     return mean, var.sqrt()
 
 
-def _masked_mean(x, valid):
-    """Mean of x over the valid entries, in float64 (x may be a bool mask); 0 (not NaN) when there are none."""
-    return torch.where(valid, x, 0).sum(dtype=torch.float64) / valid.sum().clamp(min=1)
+def _token_share(x, valid, num_tokens):
+    """
+    x summed over the valid entries in float64 (x may be a bool mask), over num_tokens: this
+    micro-batch's share of the step's token mean, as its loss is its share of the step's loss.
+    """
+    return torch.where(valid, x, 0).sum(dtype=torch.float64) / num_tokens
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", estimator="grpo"):
     """
-    rewards: (B,) float, groups are contiguous blocks of num_generations rows; NaN marks a reward that does not
-    apply, which is left out of the statistics and gets advantage 0. The baseline (estimator) is the group mean
-    ("grpo"), the mean of the group's other rewards ("rloo": an unbiased baseline, G/(G-1) times grpo's advantage),
-    or the group mean followed by whitening over the whole batch ("reinforce_pp", REINFORCE++'s baseline variant;
-    over completions, where verl weighs each by its token count). grpo and rloo then divide by the sample std of
-    the "group" (DeepSeekMath), of the whole "batch" (steadier when G is small), or "none" (Dr. GRPO: the std
-    division over-weights groups that are almost all right or all wrong); reinforce_pp has its own batch scale
-    and takes "none". Returns (B,) advantages.
+    rewards: (B,) float, groups are contiguous blocks of num_generations rows; NaN marks a reward
+    that does not apply, which is left out of the statistics and gets advantage 0. The baseline
+    (estimator) is the group mean ("grpo"), the mean of the group's other rewards ("rloo": an
+    unbiased baseline, G/(G-1) times grpo's advantage), or the group mean followed by whitening over
+    the whole batch ("reinforce_pp", REINFORCE++'s baseline variant; over completions, where verl
+    weighs each by its token count). grpo and rloo then divide by the sample std of the "group"
+    (DeepSeekMath), of the whole "batch" (steadier when G is small), or "none" (Dr. GRPO: the std
+    division over-weights groups that are almost all right or all wrong); reinforce_pp has its own
+    batch scale and takes "none". Returns (B,) advantages.
     """
     check_settings(dict(scale_rewards=scale_rewards, advantage_estimator=estimator))
     B, G = rewards.shape[0], num_generations
     if G < 1 or B % G:
-        raise ValueError(f"{B} rewards do not split into groups of num_generations={G}; B must be a multiple of G")
+        raise ValueError(f"{B} rewards do not split into groups of num_generations={G}; B must be "
+                         f"a multiple of G")
     valid = ~torch.isnan(rewards.view(-1, G))  # (B/G, G)
     r = torch.where(valid, rewards.view(-1, G), 0.0)  # (B/G, G)
     mean, std = _mean_std(r, valid)  # (B/G, 1) each
     advantages = r - mean  # (B/G, G)
-    if estimator == "rloo":  # r_i - (sum - r_i) / (n - 1) = n / (n - 1) (r_i - mean); a lone reward gets 0
+    # rloo: r_i - (sum - r_i) / (n - 1) = n / (n - 1) (r_i - mean), and a lone reward has no
+    # baseline at all, so it gets 0
+    if estimator == "rloo":
         n = valid.sum(-1, keepdim=True)  # (B/G, 1)
         advantages = torch.where(n > 1, advantages * n / (n - 1).clamp(min=1), 0.0)
     if estimator == "reinforce_pp":  # whitened with the batch's mean and std of the centred rewards
-        batch_mean, std = _mean_std(torch.where(valid, advantages, 0.0).view(1, -1), valid.view(1, -1))  # (1, 1)
+        centred = torch.where(valid, advantages, 0.0).view(1, -1)
+        batch_mean, std = _mean_std(centred, valid.view(1, -1))  # (1, 1) each
         advantages = advantages - batch_mean
     elif scale_rewards == "batch":
         std = _mean_std(r.view(1, -1), valid.view(1, -1))[1]  # (1, 1)
@@ -150,24 +163,28 @@ def group_advantages(rewards, num_generations, scale_rewards="group", estimator=
 
 def decoupled_advantages(scores, weights, num_generations):
     """
-    GDPO (TRL's multi_objective_aggregation="normalize_then_sum"): with several reward functions, summing first
-    lets the one with the widest spread drown the others inside a group; instead each function's scores (a column
-    of scores (B, F), NaN where it does not apply) are normalised within their group, the weighted sum is taken, and
-    that is normalised over the whole batch. A completion no function scored gets 0. Returns (B,) advantages.
+    GDPO (TRL's multi_objective_aggregation="normalize_then_sum"): with several reward functions,
+    summing first lets the one with the widest spread drown the others inside a group; instead each
+    function's scores (a column of scores (B, F), NaN where it does not apply) are normalised within
+    their group, the weighted sum is taken, and that is normalised over the whole batch. A
+    completion no function scored gets 0. Returns (B,) advantages.
     """
     B = scores.shape[0]
     scored = ~torch.isnan(scores).all(-1)  # (B,)
-    total = sum(w * group_advantages(scores[:, f], num_generations, "group") for f, w in enumerate(weights))  # (B,)
+    total = sum(w * group_advantages(scores[:, f], num_generations, "group")
+                for f, w in enumerate(weights))  # (B,)
     total = torch.where(scored, total, float("nan"))
-    return group_advantages(total, B, "group")  # the batch as one group: centred and scaled by its std
+    # the batch as one group: centred and scaled by its std
+    return group_advantages(total, B, "group")
 
 
 def entropy_threshold(entropy, mask, quantile):
     """
-    Beyond the 80/20 rule: the entropy at or above which a token is among the top `quantile` share (0 < rho <= 1)
-    of the valid tokens, the (1 - rho) quantile with linear interpolation. Pass every token of the optimizer step
-    (all micro-batches, all ranks): the choice then does not depend on how the step is split. entropy_mask =
-    entropy >= threshold selects the policy term's tokens in grpo_loss; no valid token gives +inf.
+    Beyond the 80/20 rule: the entropy at or above which a token is among the top `quantile` share
+    (0 < rho <= 1) of the valid tokens, the (1 - rho) quantile with linear interpolation. Pass every
+    token of the optimizer step (all micro-batches, all ranks): the choice then does not depend on
+    how the step is split. entropy_mask = entropy >= threshold selects the policy term's tokens in
+    grpo_loss; no valid token gives +inf.
     """
     values = entropy[mask.bool()]
     if values.numel() == 0:
@@ -177,13 +194,14 @@ def entropy_threshold(entropy, mask, quantile):
 
 def kl_divergence(logps, ref_logps, estimator="k3"):
     """
-    Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by the policy, (B, T) -> (B, T), with
-    Schulman's estimators (http://joschu.net/blog/kl-approx.html). Used as a loss on on-policy samples, their
-    expected gradients differ: k1's is zero, k2's is that of KL(pi_theta || pi_ref) and k3's that of
-    KL(pi_ref || pi_theta).
+    Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by the policy, (B, T) ->
+    (B, T), with Schulman's estimators (http://joschu.net/blog/kl-approx.html). Used as a loss on
+    on-policy samples, their expected gradients differ: k1's is zero, k2's is that of
+    KL(pi_theta || pi_ref) and k3's that of KL(pi_ref || pi_theta).
     """
     check_settings(dict(kl_estimator=estimator))
-    log_ratio = (ref_logps - logps).clamp(-20.0, 20.0)  # log(pi_ref / pi_theta); clamped so exp cannot overflow
+    # log(pi_ref / pi_theta), clamped so that exp cannot overflow
+    log_ratio = (ref_logps - logps).clamp(-20.0, 20.0)
     if estimator == "k1":
         return -log_ratio  # unbiased, but noisy and often negative
     if estimator == "k2":
@@ -217,8 +235,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     sampler_correction weigh the policy term only; dropped tokens still count in the normalisers.
     use_bias_correction_kl changes the KL's gradient even on-policy, where r = 1 in value:
     d(r KL) = KL d(logp) + d(KL).
-    Returns (loss, stats): a scalar and a dict of detached 0-dim tensors, fractions over this
-    micro-batch's tokens.
+    Returns (loss, stats): a scalar and a dict of detached 0-dim tensors. The stats follow the
+    loss's contract: each is this micro-batch's share of a token mean over the step (a sum over its
+    tokens / num_tokens), so that their sums over the step's micro-batches and ranks are the step's
+    means, whatever its layout; the maxima (MAX_STATS) are this micro-batch's own.
     """
     args = locals()  # the arguments, before anything else is defined here
     check_settings({k: args[k] for k in settings()}, combinations=False)
@@ -272,15 +292,15 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     if entropy_coef != 0:  # a bonus on the step's mean token entropy, the same for every loss_type
         loss = loss - entropy_coef * torch.where(valid, entropy, 0.0).sum() / num_tokens
 
-    stats = loss_stats(valid, ratio, kl, clipped_low, clipped_high)
+    stats = loss_stats(valid, num_tokens, ratio, kl, clipped_low, clipped_high)
     if reported:
-        stats.update(sampler_stats(valid, sampler_gap, sampler_logps, old_logps))
+        stats.update(sampler_stats(valid, num_tokens, sampler_gap, sampler_logps, old_logps))
     if entropy is not None:
-        stats["entropy"] = _masked_mean(entropy, valid)
-    if off_policy_mask_threshold is not None:
-        stats["off_policy_masked"] = _masked_mean(off_policy.expand_as(valid), valid)  # of tokens
+        stats["entropy"] = _token_share(entropy, valid, num_tokens)
+    if off_policy_mask_threshold is not None:  # the share of tokens, not of sequences
+        stats["off_policy_masked"] = _token_share(off_policy.expand_as(valid), valid, num_tokens)
     if sampler_correction != "none":
-        stats["sampler_correction/weight"] = _masked_mean(rho.expand_as(valid), valid)
+        stats["sampler_correction/weight"] = _token_share(rho.expand_as(valid), valid, num_tokens)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
@@ -427,28 +447,36 @@ def aggregate(per_token, lengths, loss_type, num_sequences, num_tokens, max_comp
     return loss
 
 
-def loss_stats(valid, ratio, kl, clipped_low, clipped_high):
-    """What grpo_loss logs of every micro-batch: means over its valid tokens, the largest ratio."""
+# the stats that are maxima: a step's is the largest of its micro-batches', not their sum
+MAX_STATS = ("ratio/max", "sampler/rho_max")
+
+
+def loss_stats(valid, num_tokens, ratio, kl, clipped_low, clipped_high):
+    """
+    What grpo_loss logs of every micro-batch: its shares of the step's token means (_token_share)
+    and its largest ratio.
+    """
     return {
-        "kl": _masked_mean(kl, valid),
-        "clip_ratio/low": _masked_mean(clipped_low, valid),
-        "clip_ratio/high": _masked_mean(clipped_high, valid),
-        "clip_ratio/region": _masked_mean(clipped_low | clipped_high, valid),
-        "ratio/mean": _masked_mean(ratio, valid),
-        "ratio/max": torch.where(valid, ratio, 0.0).max(),  # ratios are > 0: 0 marks an empty batch
+        "kl": _token_share(kl, valid, num_tokens),
+        "clip_ratio/low": _token_share(clipped_low, valid, num_tokens),
+        "clip_ratio/high": _token_share(clipped_high, valid, num_tokens),
+        "clip_ratio/region": _token_share(clipped_low | clipped_high, valid, num_tokens),
+        "ratio/mean": _token_share(ratio, valid, num_tokens),
+        # ratios are > 0, so a 0 marks a micro-batch without a token that counts
+        "ratio/max": torch.where(valid, ratio, 0.0).max(),
     }
 
 
-def sampler_stats(valid, sampler_gap, sampler_logps, old_logps):
+def sampler_stats(valid, num_tokens, sampler_gap, sampler_logps, old_logps):
     """
     The gap between the log-probs the sampler reported and the trainer's own (bf16 sampling, or the
     full softmax trained on top-k/top-p samples): their mean distance and k3's KL(sampler ||
-    trainer), in float64, where float32's rounding of exp(x) - x - 1 would swamp a gap of a few
-    ulps.
+    trainer) as shares of the step's token means, and the largest rho = pi_old / pi_sampler. In
+    float64, where float32's rounding of exp(x) - x - 1 would swamp a gap of a few ulps.
     """
     kl_gap = kl_divergence(sampler_logps.double(), old_logps.detach().double())  # (B, T)
-    return {"sampler/logp_diff": _masked_mean(sampler_gap.abs(), valid),
-            "sampler/kl": _masked_mean(kl_gap, valid),
+    return {"sampler/logp_diff": _token_share(sampler_gap.abs(), valid, num_tokens),
+            "sampler/kl": _token_share(kl_gap, valid, num_tokens),
             "sampler/rho_max": torch.where(valid, sampler_gap, -math.inf).max().exp()}
 
 

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from lib.parallelism import all_sum, gather
+
 
 def sync(device):
     """Wait for the device's queued work (CUDA is asynchronous), so a clock read after it means something."""
@@ -91,6 +93,32 @@ def iteration_metrics(it, rollout, update, *, times, clock, peak, world_size, **
     return dict(iter=it, **rollout, train_tok_s=update.pop('train_tokens') / seconds,
                 mfu=mfu(update.pop('flops'), seconds, peak, world_size), dt=clock[2] - clock[0], **more, **update,
                 **{f'time/{k}': v for k, v in times.items()})
+
+
+def add_stats(total, stats, maxima):
+    """Add one micro-batch's stats (grpo_loss's: its shares of the step's token means) into total, in float64;
+    those named in maxima keep the largest instead of the sum."""
+    for k, v in stats.items():
+        v = v.detach().double()
+        total[k] = v if k not in total else total[k].maximum(v) if k in maxima else total[k] + v
+
+
+def step_stats(total, maxima, steps):
+    """The update's stats to log from total (add_stats' over `steps` optimizer steps on this rank), as floats:
+    the sums over ranks divided by steps (each step's token mean, averaged over the steps) and the maxima the
+    largest on any rank. Numbers of the steps, the same whatever their layout; every rank must call it."""
+    values = torch.stack(list(total.values()))
+    means, largest = all_sum(values) / steps, gather(values[None]).amax(0)
+    return {k: (largest if k in maxima else means)[i].item() for i, k in enumerate(total)}
+
+
+def work_done(ran):
+    """What the update ran, summed over ranks: its model FLOPs and the tokens in its sequences, the
+    padding's share of those, and the share of the rows' own tokens (a prompt shared by rows counted
+    for each) that sharing a prompt saved. ran: this rank's tokens, placed (not padding), own, flops."""
+    ran = dict(zip(ran, all_sum(torch.tensor(list(ran.values()), dtype=torch.float64)).tolist()))
+    return dict(flops=ran['flops'], train_tokens=ran['tokens'], pad_share=1 - ran['placed'] / ran['tokens'],
+                saved_share=1 - ran['placed'] / ran['own'])
 
 
 def fastest_dtype(device):

@@ -229,6 +229,39 @@ def metric_lines(out_dir):
     return [{k: v for k, v in r.items() if k not in timing and not k.startswith('time/')} for r in rows]
 
 
+# what describes the layout itself, not the step: its padding, the prompts packing shared, each rank's memory
+LAYOUT_METRICS = ('pad_share', 'saved_share')
+METRIC_LAYOUTS = {'packed, 1 rank x 4': (1, 4, False), 'plain': (1, 4, True), 'micro-batch 8': (1, 8, False),
+                  '2 ranks x 4': (2, 4, False)}
+# every logged stat of the update in play: a reference (kl), mu = 2 (ratios off 1, clips), the 80/20 mask, a
+# sampler correction and the off-policy mask (their shares), the entropy bonus, a gap to the sampler (top-k
+# sampling, the full softmax trained)
+METRIC_KNOBS = ['--max_iters=3', '--num_iterations=2', '--beta=0.04', '--loss_type=dapo', '--epsilon_low=0.05',
+                '--epsilon_high=0.05', '--top_entropy_quantile=0.5', '--entropy_coef=0.01', '--top_k=20',
+                '--truncate_logprobs=False', '--sampler_correction=token_truncate',
+                '--off_policy_mask_threshold=0.0001', REWARDS]
+
+
+def test_metrics_are_the_steps_not_the_layouts(policy, tmp_path):
+    """Issue 48 (5a): every logged number but the timings, memory and the layout's own is a property of the step:
+    the same (to float64's rounding) packed or plain, in micro-batches of 4 or 8, on 1 rank or 2, 3 iterations."""
+    logged = {}
+    for layout, (ranks, micro, plain) in METRIC_LAYOUTS.items():
+        out = f'{tmp_path}/{ranks}x{micro}-{plain}'
+        launch([BASE + [f'--init_from={policy}', f'--micro_batch_size={micro}', f'--plain={plain}', *METRIC_KNOBS,
+                        f'--out_dir={out}']], tmp_path, TORCHRUN + ['--standalone', f'--nproc_per_node={ranks}']
+               if ranks > 1 else [sys.executable], name=f'{ranks}x{micro}-{plain}.json')
+        logged[layout] = [{k: v for k, v in r.items() if k not in LAYOUT_METRICS and not k.startswith('mem/')}
+                          for r in metric_lines(out)]
+    ref = logged['packed, 1 rank x 4']
+    assert len(ref) == 3 and all(r['clip_ratio/region'] > 0 and r['kl'] > 0 and r['sampler/kl'] > 0 and
+                                 r['off_policy_masked'] > 0 for r in ref[1:]), ref
+    differ = [(layout, got['iter'], k, got.get(k), v) for layout, rows in logged.items()
+              for got, want in zip(rows, ref) for k, v in want.items()
+              if got.keys() != want.keys() or got[k] != pytest.approx(v, rel=1e-12, abs=1e-15)]
+    assert not differ, "\n".join(map(str, differ))
+
+
 @pytest.mark.parametrize('ranks, turns', [(1, []), (2, []), (1, MULTI_TURN), (2, REWARD_MODEL), pytest.param(
     1, MULTI_TURN + ['--env=multiturn_env:Sandboxed'], marks=pytest.mark.skipif(
         sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}"), id='sandboxed tool')])
