@@ -11,14 +11,16 @@ the cache is kept across calls, grown to the largest batch and sequence seen, si
 captured with.
 """
 import contextlib
+from dataclasses import dataclass
 import weakref
 
 import torch
 
-from sampling import check_sampling, sample
+from sampling import check_sampling, draw_uniforms, sample
 from lib import cuda_graphs, multiturn
 
 _CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the module, so state_dict and deepcopy skip it
+CHECK_EVERY = 8  # decode steps between the loop's host syncs: "has every row ended?" and dropping finished rows
 
 
 @torch.no_grad()
@@ -97,95 +99,172 @@ def static_cache(model, N, S, dtype, device):
     return c
 
 
-def _generate(model, prompts, max_new_tokens, G, temperature, top_k, top_p, eos_id, generator, turns):
-    cfg, dev = model.config, model.lm_head.weight.device
-    dtype = model.compute_dtype()
-    N, P = len(prompts) * G, max(len(p) for p in prompts)
-    S = P + max_new_tokens - 1  # the last sampled token is never fed back
-    cache = static_cache(model, N, S, dtype, dev)
-    kv = [(k[:N], v[:N]) for k, v in cache["kv"]]  # each layer's keys and values (N, nkv, cols, hs): views
-    lens = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(G)  # (N,)
-    key_mask = cache["mask"][:N]
-    key_mask.copy_(torch.arange(key_mask.size(1), device=dev) >= (P - lens)[:, None])  # (N, cols) False: left padding
-    last = []  # each prompt's last hidden state (1, C)
-    for i, p in enumerate(prompts):
-        rows = slice(i * G, (i + 1) * G)
-        h = model.hidden(torch.tensor(p, device=dev)[None], kv=[(k[rows], v[rows]) for k, v in kv],
-                          col=P - len(p))  # (1, len, C)
-        last.append(h[:, -1])
-    # the output layer once for all prompts (its weight read, and under autocast cast, once), a row of logits a
-    # prompt, which each of its sample rows draws from on its own
-    logits = model.lm_head(torch.cat(last)).repeat_interleave(G, 0)  # (N, vocab_size)
+@dataclass
+class Batch:
+    """The rows still decoding. Each field holds one entry a row, in batch order; drop_finished removes the
+    finished rows from all of them at once, and from the cache."""
+    out_row: torch.Tensor  # (n,) the row of the output each batch row writes to
+    prompt_len: torch.Tensor  # (n,) the row's prompt length: its positions go on from there
+    newest: torch.Tensor  # (n,) the index of the row's newest token, which is in cache column prompt_width + newest
+    done: torch.Tensor  # (n,) bool: the row has ended, and writes its tokens where they are never returned
+    tok: torch.Tensor  # (n,) the newest token, the next decode step's input
+    logp: torch.Tensor  # (n,) its log-prob
+    kv: list  # per layer (keys, values), each (n, n_kv_head, columns, head_dim): views into the static cache
+    key_mask: torch.Tensor  # (n, columns) False where a row's prompt is padded on the left
+    furthest: int = 0  # the largest newest index (a row that read an observation is ahead of the others)
 
-    # every uniform the sampler will use, drawn up front: two per row and step (see sampling._draw)
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != len(prompts):
-            raise ValueError(f"{len(generator)} generators for {len(prompts)} prompts; give one per prompt")
-        u = torch.cat([torch.rand(max_new_tokens, G, 2, device=dev, generator=g) for g in generator], 1)
-    else:
-        u = torch.rand(max_new_tokens, N, 2, device=dev, generator=generator)  # (steps, N, 2)
+
+@dataclass
+class Output:
+    """What generate returns, filled one step at a time. Step-major: tokens[t] holds each row's t-th token; the
+    last row, tokens[steps], is where finished rows write, and is never returned."""
+    tokens: torch.Tensor  # (steps + 1, N)
+    logps: torch.Tensor  # (steps + 1, N)
+    observed: torch.Tensor = None  # multi-turn: (steps + 1, N) bool, True where a token is an observation's
+    last_own: list = None  # multi-turn: each row's index of its last own token
+
+    def record(self, batch):
+        """Each row's newest token into its place (a finished row's into the discarded last row)."""
+        at = torch.where(batch.done, len(self.tokens) - 1, batch.newest)
+        self.tokens.index_put_((at, batch.out_row), batch.tok)
+        self.logps.index_put_((at, batch.out_row), batch.logp)
+
+
+def _generate(model, prompts, max_new_tokens, samples_per_prompt, temperature, top_k, top_p, eos_id, generator,
+              turns):
+    """generate's loop: prefill the prompts, sample each row's first token, then one decode step a token for all
+    the live rows together, ending rows at their eos and dropping the finished ones from the batch every few
+    steps."""
+    device, dtype, steps = model.lm_head.weight.device, model.compute_dtype(), max_new_tokens
+    n_rows, prompt_width = len(prompts) * samples_per_prompt, max(len(p) for p in prompts)
+    columns = prompt_width + steps - 1  # the last sampled token is never fed back, so needs no column
+    cache = static_cache(model, n_rows, columns, dtype, device)
+    # every uniform the sampler will use, drawn up front so that a row's draws depend on nothing else
+    uniforms = draw_uniforms(generator, steps, len(prompts), samples_per_prompt, device)  # (steps, N, 2)
     eos = None if eos_id is None else torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id)),
-                                                   device=dev)
-    fill = 0 if eos is None else int(eos[0])
-    M = max_new_tokens
-    tokens = torch.full((M + 1, N), fill, device=dev)  # step-major: row j holds each row's j-th token; row M is
-    logps = torch.zeros(M + 1, N, device=dev)  # where the finished rows' tokens go, never returned
-    live = torch.arange(N, device=dev)  # output row of each batch row; the batch shrinks as rows finish
-    done = torch.zeros(N, dtype=torch.bool, device=dev)
-    j = torch.zeros(N, dtype=torch.long, device=dev)  # each row's index of its newest token: in its cache at P + j
-    if turns is not None:  # multi-turn: which tokens are an observation's, each row's last own token
-        observed, last = torch.zeros(M + 1, N, dtype=torch.bool, device=dev), [M - 1] * N
-    check_every = 8  # steps between the only host syncs of the loop: "all done?" and compaction
-    graphs = model.decode_graphs
-    decode = cuda_graphs.decoder(model, cache, dtype) if graphs else model.decode
-    # a step attends over the cache columns written so far, rounded up to a multiple of 64 (a few shapes for a
-    # compiled step or a graph): reading the keys and values is most of a decode step's time outside the matmuls
-    width, top = 0, 0  # top: the largest j (an observation takes a row ahead of the others)
-    tok, lp = sample(logits, temperature, top_k, top_p, u[0])  # (N,), (N,)
-    for t in range(M):
-        at = torch.where(done, M, j)
-        tokens.index_put_((at, live), tok)
-        logps.index_put_((at, live), lp)
-        if turns is not None:
-            tok, lp, done, ahead = multiturn.end_turns(turns, model, live=live, tok=tok, lp=lp, j=j, done=done,
-                                                       eos=eos, kv=kv, key_mask=key_mask, lens=lens, P=P,
-                                                       tokens=tokens, observed=observed, last=last)
-            top = max(top, ahead)
-            done = done | (j == M - 1)  # a row that read an observation can reach the last step before the others
-        elif eos is not None:
-            done = done | torch.isin(tok, eos)
-        if t == M - 1:
-            break
-        if t % check_every == check_every - 1:
-            keep = (~done).nonzero().squeeze(1)
-            if keep.numel() == 0:
-                break
-            # drop finished rows, but not for a few: it copies the cache. Not with graphs either: a graph per batch
-            # size would be captured, and a finished row costs a replayed step little (weights are read once)
-            if keep.numel() <= 0.75 * done.numel() and not graphs:
-                n = keep.numel()
-                for k, v in kv:  # the live rows into the first n, in order: the cache never moves
-                    k[:n, :, :S], v[:n, :, :S] = k[keep, :, :S], v[keep, :, :S]
-                key_mask[:n] = key_mask[keep]
-                kv, key_mask = [(k[:n], v[:n]) for k, v in kv], key_mask[:n]
-                live, lens, tok, done, j, width = live[keep], lens[keep], tok[keep], done[keep], j[keep], 0
-        if P + top + 1 > width:
-            width = min(S, (P + top + 64) // 64 * 64)  # S, not the cache's columns: the same sums, call to call
-            step_kv, step_mask = [(k[:, :, :width], v[:, :, :width]) for k, v in kv], key_mask[:, :width]
-        col = (P + j).clamp(max=S - 1)  # a finished row writes over its last column, which nothing reads again
-        tok, lp = decode(tok=tok, pos=lens + j, col=col, u=u[(j + 1).clamp(max=M - 1), live], kv=step_kv,
-                         key_mask=step_mask, temperature=temperature, top_k=top_k, top_p=top_p)
-        j, top = j + ~done, min(top + 1, M - 1)
+                                                   device=device)
+    fill = 0 if eos is None else int(eos[0])  # what a row holds after its end
+    out = Output(tokens=torch.full((steps + 1, n_rows), fill, device=device),
+                 logps=torch.zeros(steps + 1, n_rows, device=device))
+    if turns is not None:
+        out.observed = torch.zeros(steps + 1, n_rows, dtype=torch.bool, device=device)
+        out.last_own = [steps - 1] * n_rows
 
-    tokens, logps = tokens[:M].t(), logps[:M].t()  # (N, max_new_tokens)
-    if turns is not None:  # the row's own tokens up to its last: never an observation's
-        mask = ~observed[:M].t() & (torch.arange(M, device=dev) <= torch.tensor(last, device=dev)[:, None])
+    batch, logits = prefill(model, prompts, samples_per_prompt, cache, prompt_width)
+    batch.tok, batch.logp = sample(logits, temperature, top_k, top_p, uniforms[0])
+    decode = DecodeStep(model, cache, dtype, prompt_width, columns, uniforms, temperature, top_k, top_p)
+    for step in range(steps):
+        out.record(batch)
+        end_rows(model, batch, out, eos, turns, prompt_width, steps)
+        if step == steps - 1:
+            break
+        if step % CHECK_EVERY == CHECK_EVERY - 1:  # the loop's only host syncs
+            if not drop_finished(batch, columns, compact=not model.decode_graphs):
+                break  # every row has ended
+        decode(batch)
+    return finish(out, eos, steps, device)
+
+
+def prefill(model, prompts, samples_per_prompt, cache, prompt_width):
+    """Each prompt once through the model, straight into the cache rows of its samples, right-aligned at column
+    prompt_width so that all rows then decode level (the key mask hides the left padding). Returns the batch of all
+    rows and the logits (N, vocab_size) each row draws its first token from."""
+    device, n_rows = cache["mask"].device, len(prompts) * samples_per_prompt
+    kv = [(k[:n_rows], v[:n_rows]) for k, v in cache["kv"]]  # each layer's keys and values: views
+    prompt_len = torch.tensor([len(p) for p in prompts], device=device).repeat_interleave(samples_per_prompt)
+    key_mask = cache["mask"][:n_rows]
+    key_mask.copy_(torch.arange(key_mask.size(1), device=device) >= (prompt_width - prompt_len)[:, None])
+    last_hidden = []  # each prompt's last hidden state (1, C)
+    for i, prompt in enumerate(prompts):
+        rows = slice(i * samples_per_prompt, (i + 1) * samples_per_prompt)
+        h = model.hidden(torch.tensor(prompt, device=device)[None], kv=[(k[rows], v[rows]) for k, v in kv],
+                         col=prompt_width - len(prompt))  # (1, len, C)
+        last_hidden.append(h[:, -1])
+    # The output layer runs once for all prompts, so its weight is read (and under autocast cast) once; each
+    # prompt's row of logits is repeated for its samples, which draw from it independently.
+    logits = model.lm_head(torch.cat(last_hidden)).repeat_interleave(samples_per_prompt, 0)  # (N, vocab_size)
+    zeros = torch.zeros(n_rows, dtype=torch.long, device=device)
+    batch = Batch(out_row=torch.arange(n_rows, device=device), prompt_len=prompt_len, newest=zeros,
+                  done=torch.zeros(n_rows, dtype=torch.bool, device=device), tok=None, logp=None, kv=kv,
+                  key_mask=key_mask)
+    return batch, logits
+
+
+def end_rows(model, batch, out, eos, turns, prompt_width, steps):
+    """Mark the rows whose newest token ends them. With turns, a row that sampled an eos reads in its observation
+    and goes on, unless its episode is over (lib/multiturn.py)."""
+    if turns is not None:
+        batch.tok, batch.logp, batch.done, ahead = multiturn.end_turns(
+            turns, model, live=batch.out_row, tok=batch.tok, lp=batch.logp, j=batch.newest, done=batch.done,
+            eos=eos, kv=batch.kv, key_mask=batch.key_mask, lens=batch.prompt_len, P=prompt_width,
+            tokens=out.tokens, observed=out.observed, last=out.last_own)
+        batch.furthest = max(batch.furthest, ahead)
+        # a row that read an observation can reach the last step before the others
+        batch.done = batch.done | (batch.newest == steps - 1)
+    elif eos is not None:
+        batch.done = batch.done | torch.isin(batch.tok, eos)
+
+
+def drop_finished(batch, columns, compact):
+    """Returns False when every row has ended. Otherwise, when at least a quarter of the rows have ended, copies
+    the live rows' caches into the first rows of the static cache (it never moves) and keeps only their entries in
+    the batch. Not for fewer, as the copy has a cost; and not with CUDA graphs (compact False), which would capture
+    a graph for each batch size, while a finished row costs a replayed step little (weights are read once)."""
+    keep = (~batch.done).nonzero().squeeze(1)
+    if keep.numel() == 0:
+        return False
+    if keep.numel() <= 0.75 * batch.done.numel() and compact:
+        n = keep.numel()
+        for k, v in batch.kv:
+            k[:n, :, :columns], v[:n, :, :columns] = k[keep, :, :columns], v[keep, :, :columns]
+        batch.key_mask[:n] = batch.key_mask[keep]
+        batch.kv, batch.key_mask = [(k[:n], v[:n]) for k, v in batch.kv], batch.key_mask[:n]
+        for name in ("out_row", "prompt_len", "tok", "done", "newest"):
+            setattr(batch, name, getattr(batch, name)[keep])
+    return True
+
+
+class DecodeStep:
+    """One decode step of the whole batch: each row's newest token into its next cache column, and the next
+    token sampled. model.decode runs it, or with CUDA graphs lib/cuda_graphs.py replays it."""
+
+    def __init__(self, model, cache, dtype, prompt_width, columns, uniforms, temperature, top_k, top_p):
+        self.step = cuda_graphs.decoder(model, cache, dtype) if model.decode_graphs else model.decode
+        self.prompt_width, self.columns, self.uniforms = prompt_width, columns, uniforms
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        # A step attends over the cache columns written so far, rounded up to a multiple of 64, so that a
+        # compiled step or a graph sees few shapes: reading the keys and values is most of a decode step's time
+        # outside the matmuls. width: how many columns the step attends; sliced_from: the batch's cache views the
+        # step's slices were taken from (drop_finished replaces them).
+        self.width, self.sliced_from = 0, None
+
+    def __call__(self, batch):
+        steps, prompt_width = len(self.uniforms), self.prompt_width
+        if batch.kv is not self.sliced_from or prompt_width + batch.furthest + 1 > self.width:
+            # at most `columns`, not the cache's own (larger with graphs): the same sums from call to call
+            self.width = min(self.columns, (prompt_width + batch.furthest + 64) // 64 * 64)
+            self.kv = [(k[:, :, :self.width], v[:, :, :self.width]) for k, v in batch.kv]
+            self.key_mask, self.sliced_from = batch.key_mask[:, :self.width], batch.kv
+        # a finished row writes over its last column, which nothing reads again
+        col = (prompt_width + batch.newest).clamp(max=self.columns - 1)
+        uniforms = self.uniforms[(batch.newest + 1).clamp(max=steps - 1), batch.out_row]
+        batch.tok, batch.logp = self.step(tok=batch.tok, pos=batch.prompt_len + batch.newest, col=col, u=uniforms,
+                                          kv=self.kv, key_mask=self.key_mask, **self.sampling)
+        batch.newest = batch.newest + ~batch.done
+        batch.furthest = min(batch.furthest + 1, steps - 1)
+
+
+def finish(out, eos, steps, device):
+    """(tokens, mask, logprobs), each (N, L): the steps up to any row's last own token, mask True on a row's own
+    tokens up to its end."""
+    tokens, logps = out.tokens[:steps].t(), out.logps[:steps].t()  # (N, steps)
+    if out.observed is not None:  # a row's own tokens up to its last: never an observation's
+        mask = ~out.observed[:steps].t() & (torch.arange(steps, device=device)
+                                            <= torch.tensor(out.last_own, device=device)[:, None])
     elif eos is None:
         mask = torch.ones_like(tokens, dtype=torch.bool)
-    else:  # real tokens: no eos strictly before them (rows end with eos, then are filled with it)
+    else:  # a row ends with its eos and is filled with eos after it: real tokens have no eos before them
         is_eos = torch.isin(tokens, eos).int()
         mask = (is_eos.cumsum(1) - is_eos) == 0
-    L = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1  # the steps up to any row's last own token
-    return tokens[:, :L].contiguous(), mask[:, :L].contiguous(), logps[:, :L].contiguous()
-
-
+    length = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
+    return tokens[:, :length].contiguous(), mask[:, :length].contiguous(), logps[:, :length].contiguous()

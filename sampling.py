@@ -43,6 +43,17 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
         return idx.gather(1, at).squeeze(1), q.log().squeeze(1)
     return tok.squeeze(1), p.gather(1, tok).log().squeeze(1)
 
+def draw_uniforms(generator, steps, n_prompts, samples_per_prompt, device):
+    """Every uniform a generate call's sampler uses, (steps, N, 2): two per row and step (see _draw), drawn up
+    front. generator: one torch.Generator for all rows, or a list of one per prompt, whose rows' draws then depend
+    on nothing else, so that a prompt gets the same samples alone or in any batch."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != n_prompts:
+            raise ValueError(f"{len(generator)} generators for {n_prompts} prompts; give one per prompt")
+        return torch.cat([torch.rand(steps, samples_per_prompt, 2, device=device, generator=g)
+                          for g in generator], 1)
+    return torch.rand(steps, n_prompts * samples_per_prompt, 2, device=device, generator=generator)
+
 def _draw(w, u):
     """Exact inverse-CDF draw of one index (B, 1) per row of nonnegative weights w (B, V). A cumsum over the whole
     vocabulary is slow (it is sequential), so draw in two levels: a block of ~sqrt(V) tokens by its mass, then a
@@ -63,3 +74,32 @@ def _search(cdf, u):
     i = torch.searchsorted(cdf, u * total, right=True)
     # u * total can round up to total: then take the last entry with positive mass
     return torch.minimum(i, torch.searchsorted(cdf, total))
+
+
+@torch.no_grad()
+def reference_generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None,
+                       generator=None, return_logits=False):
+    """The plain sampler that engine.py's generate is tested against: no cache, every step runs each row's whole
+    sequence through the model again and draws its next token from the last position's logits. The draws are
+    generate's (the same uniforms from the same generator, the same sample()), so its tokens are bitwise
+    comparable. Every row runs max_new_tokens steps: there is no eos. Returns (tokens, logprobs), each (N,
+    max_new_tokens), and with return_logits the list of each step's logits (N, vocab_size) too."""
+    device = model.lm_head.weight.device
+    uniforms = draw_uniforms(generator, max_new_tokens, len(prompts), num_samples, device)
+    rows = [p for p in prompts for _ in range(num_samples)]
+    # rows of the same length go through the model together, one batch each length
+    groups = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(len(row), []).append(i)
+    sequences = [torch.tensor([rows[i] for i in group], device=device) for group in groups.values()]
+    order = torch.tensor([i for group in groups.values() for i in group], device=device)  # row of each group row
+    tokens, logps, seen = [], [], []
+    for step in range(max_new_tokens):
+        grouped = torch.cat([model.lm_head(model.hidden(seq)[:, -1]) for seq in sequences])  # (N, vocab_size)
+        logits = torch.empty_like(grouped).index_copy_(0, order, grouped)  # back in row order
+        tok, logp = sample(logits, temperature, top_k, top_p, uniforms[step])
+        new = tok[order].split([len(seq) for seq in sequences])
+        sequences = [torch.cat([seq, t[:, None]], 1) for seq, t in zip(sequences, new)]
+        tokens.append(tok), logps.append(logp), seen.append(logits)
+    tokens, logps = torch.stack(tokens, 1), torch.stack(logps, 1)
+    return (tokens, logps, seen) if return_logits else (tokens, logps)

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from model import GPT
+from sampling import reference_generate
 from test_families import FAMILIES, FIXTURES
-from test_model import uncached_generate
 from test_train import ROOT, metrics, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -40,9 +40,7 @@ def test_cached_equals_uncached_on_cuda(name):
     prompts = [ref["greedy_prompt"][0].tolist(), ref["greedy_prompt"][0, :3].tolist()]
     g = torch.Generator("cuda")
     tokens, mask, logps = model.generate(prompts, 12, num_samples=3, generator=g.manual_seed(0))
-    with torch.device("cuda"):  # the reference's uniforms from the same generator, on the same device
-        want, want_lp, _ = uncached_generate(model, prompts, 12, num_samples=3, temperature=1.0,
-                                             generator=g.manual_seed(0))
+    want, want_lp = reference_generate(model, prompts, 12, num_samples=3, generator=g.manual_seed(0))
     assert torch.equal(tokens, want) and mask.all()
     torch.testing.assert_close(logps, want_lp, atol=1e-5, rtol=1e-5)
 

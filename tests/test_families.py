@@ -17,7 +17,8 @@ import engine
 import model as model_module
 from configurator import ConfigError
 from model import GPT, GPTConfig, rope_frequencies
-from test_model import PROMPTS, brute_logprobs, record_logits, uncached_generate
+from sampling import reference_generate
+from test_model import PROMPTS, brute_logprobs, record_logits
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 FAMILIES = ["tiny-qwen2-a", "tiny-llama-a", "tiny-qwen3-a"]
@@ -95,7 +96,8 @@ def test_cached_equals_uncached(fixture, temperature):
     _, model, _ = fixture
     tokens, mask, logps = model.generate(PROMPTS, 10, num_samples=2, temperature=temperature,
                                          generator=torch.Generator().manual_seed(1))
-    ref_tokens, ref_logps, _ = uncached_generate(model, PROMPTS, 10, 2, temperature, torch.Generator().manual_seed(1))
+    ref_tokens, ref_logps = reference_generate(model, PROMPTS, 10, num_samples=2, temperature=temperature,
+                                               generator=torch.Generator().manual_seed(1))
     assert torch.equal(tokens, ref_tokens) and mask.all()
     torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=0)
 

@@ -1,6 +1,6 @@
 """
 Tests for model.py against independent references: Hugging Face's own logits for a fixture checkpoint, a no-cache
-full-recompute decoder, brute-force log-softmax loops, and chi-square tests of the sampler.
+full-recompute decoder (sampling.reference_generate), brute-force log-softmax loops, and chi-square tests of the sampler.
 """
 
 import copy
@@ -21,7 +21,7 @@ from configurator import ConfigError
 from lib.cpu_buffers import _buffers
 from lib.head import HeadLogprobs
 from model import GPT, GPTConfig
-from sampling import sample
+from sampling import reference_generate, sample
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gpt2-a")
 PROMPTS = [[5, 17, 200], [1, 2, 3, 4, 5, 6, 7], [42], [250, 9, 9, 100, 31]]  # ragged on purpose
@@ -39,21 +39,6 @@ def record_logits(model):
     seen = []
     handle = model.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out.clone()))
     return seen, handle
-
-def uncached_generate(model, prompts, steps, num_samples=1, temperature=0.0, generator=None):
-    """Reference decoder: every row recomputes its whole sequence alone each step; tokens are drawn with the same
-    sample() over all rows at once, from uniforms drawn up front exactly as generate draws them."""
-    seqs = [list(p) for p in prompts for _ in range(num_samples)]
-    u = torch.rand(steps, len(seqs), 2, generator=generator)
-    tokens, logps, logits_seen = [], [], []
-    for t in range(steps):
-        with torch.no_grad():
-            logits = torch.stack([model(torch.tensor(s)[None])[0, -1] for s in seqs])  # (N, V)
-        tok, lp = sample(logits, temperature, u=u[t])
-        for s, t in zip(seqs, tok.tolist()):
-            s.append(t)
-        tokens.append(tok), logps.append(lp), logits_seen.append(logits)
-    return torch.stack(tokens, 1), torch.stack(logps, 1), logits_seen
 
 # -----------------------------------------------------------------------------
 # the fixture: what Hugging Face transformers computes from the same checkpoint
@@ -82,8 +67,9 @@ def test_cached_equals_uncached(tiny, temperature):
     tokens, mask, logps = tiny.generate(PROMPTS, steps, num_samples=G, temperature=temperature,
                                         generator=torch.Generator().manual_seed(1))
     handle.remove()
-    ref_tokens, ref_logps, ref_logits = uncached_generate(tiny, PROMPTS, steps, G, temperature,
-                                                          torch.Generator().manual_seed(1))
+    ref_tokens, ref_logps, ref_logits = reference_generate(
+        tiny, PROMPTS, steps, num_samples=G, temperature=temperature, generator=torch.Generator().manual_seed(1),
+        return_logits=True)
     assert torch.equal(tokens, ref_tokens) and mask.all()
     torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=0)
     # the prefill logits (a row a prompt, the output layer once for all), then one (N, V) per decode step
@@ -92,7 +78,7 @@ def test_cached_equals_uncached(tiny, temperature):
 
 def test_eos_ends_rows_and_compacts_batch(tiny):
     prompts, steps = [[p, (7 * p) % 257] for p in range(0, 257, 16)], 24  # 17 prompts
-    ref_tokens, _, _ = uncached_generate(tiny, prompts, steps)
+    ref_tokens, _ = reference_generate(tiny, prompts, steps, temperature=0)
     # the token most often seen early in the reference continuations, so that many rows end early
     eos = int(ref_tokens[:, :6].flatten().mode().values)
     seen, handle = record_logits(tiny)

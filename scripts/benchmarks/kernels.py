@@ -6,7 +6,7 @@ import torch
 from loss import grpo_loss
 from lib.measure import matmul_peak, timed, timed_rounds
 from rollout import micro_batches
-from sampling import sample
+from sampling import reference_generate
 from scripts.benchmarks.common import (autocast, build_model, decode_flops, generate, grpo_batch, in_fresh_process,
                                make_prompts, timed_peak)
 
@@ -23,15 +23,12 @@ def bench_matmul_peak(args, model, results):
                            head / 1e12)
 
 def naive_generate(model, args, prompts, steps):
-    """The baseline: no cache, every step recomputes the whole sequence (only the last position goes through the
-    output layer, as nanoGPT's generate does). Needs equal prompt lengths, which the benchmark uses."""
-    idx = torch.tensor(prompts, device=args.device).repeat_interleave(args.G, 0)  # (N, P)
-    g = torch.Generator(args.device).manual_seed(2)
+    """The baseline: sampling.reference_generate, which has no cache and recomputes every row's whole sequence at
+    each step (only the last position goes through the output layer, as nanoGPT's generate does). With prompts of
+    equal lengths, as the benchmark's are, all rows go through the model as one batch."""
     with torch.inference_mode(), autocast(args):
-        for _ in range(steps):
-            logits = model.lm_head(model.hidden(idx)[:, -1])  # (N, V)
-            u = torch.rand(idx.size(0), 2, device=args.device, generator=g)
-            idx = torch.cat([idx, sample(logits, u=u)[0][:, None]], 1)
+        reference_generate(model, prompts, steps, num_samples=args.G,
+                           generator=torch.Generator(args.device).manual_seed(2))
 
 def naive_seconds(model, args, prompts):
     """Time of the naive sampler for args.new_tokens tokens. Its step time grows linearly with the sequence, so
