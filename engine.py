@@ -1,14 +1,15 @@
 """
-The sampling engine behind GPT.generate: G completions per prompt from a static KV cache, each prompt prefilled
-once straight into the cache rows of its samples (as nanochat's engine does), then every row decoded together one
-token a step with GPT.decode, each row's token going into its own next cache column (rows are level, except that a
-multi-turn row jumps ahead by each observation it reads in).
+The sampling engine behind GPT.generate: G completions per prompt from a static KV cache, each
+prompt prefilled once straight into the cache rows of its samples (as nanochat's engine does), then
+every row decoded together one token a step with GPT.decode, each row's token going into its own
+next cache column (rows are level, except that a multi-turn row jumps ahead by each observation it
+reads in).
 
-The cache is allocated once for a call's batch and sequence and never moved (finished rows are dropped by copying
-the live ones into its first rows), and freed when the call returns, leaving its memory to the update. With
-model.decode_graphs (train.py's cuda_graphs) the steps are replayed as CUDA graphs instead (lib/cuda_graphs.py), and
-the cache is kept across calls, grown to the largest batch and sequence seen, since a graph reads the addresses it was
-captured with.
+The cache is allocated once for a call's batch and sequence and never moved (finished rows are
+dropped by copying the live ones into its first rows), and freed when the call returns, leaving its
+memory to the update. With model.decode_graphs (train.py's cuda_graphs) the steps are replayed as
+CUDA graphs instead (lib/cuda_graphs.py), and the cache is kept across calls, grown to the largest
+batch and sequence seen, since a graph reads the addresses it was captured with.
 """
 import contextlib
 from dataclasses import dataclass
@@ -19,48 +20,56 @@ import torch
 from sampling import check_sampling, draw_uniforms, sample
 from lib import cuda_graphs, multiturn
 
-_CACHES = weakref.WeakKeyDictionary()  # model -> its static cache: off the module, so state_dict and deepcopy skip it
-CHECK_EVERY = 8  # decode steps between the loop's host syncs: "has every row ended?" and dropping finished rows
+# model -> its static cache: off the module, so state_dict and deepcopy skip it
+_CACHES = weakref.WeakKeyDictionary()
+# decode steps between the loop's host syncs: "has every row ended?" and dropping finished rows
+CHECK_EVERY = 8
 
 
 @torch.no_grad()
-def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None, eos_id=None,
-             generator=None, turns=None, turn_workers=1):
-    """GPT.generate: sample num_samples completions for each prompt (a list of token-id lists of any lengths).
-    Returns (tokens, mask, logprobs), each (N, L) with N = len(prompts) * num_samples rows in prompt-major order
-    and L <= max_new_tokens the steps taken. eos_id: one id or several (Qwen's instruct models stop on <|im_end|>
-    and <|endoftext|>). A row ends at its first eos, which it keeps; after it tokens are the smallest eos id (0 if
-    None), mask is False and logprobs 0. logprobs: each token's under the distribution it was drawn from (see
-    sample), as logprobs() computes it with the same top_k and top_p. temperature=0 is greedy, with log-probs at
-    temperature 1. generator: one torch.Generator for the whole batch, or a list of one per prompt, whose draws
-    then depend on nothing else: a prompt gets the same samples alone or in any batch.
-    turns (multi-turn): called as turns(row, ids) when a row samples an eos id, with the row's tokens so far;
-    it returns the token ids of an observation to append (the row then goes on) or None (the row ends). The
-    observation's tokens are in tokens, with mask False and logprobs 0: context, not the policy's actions. The
-    calls of one step run in turn_workers threads (the observations in row order), for a turns that depends on
-    its arguments alone.
+def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None,
+             top_p=None, eos_id=None, generator=None, turns=None, turn_workers=1):
+    """GPT.generate: sample num_samples completions for each prompt (a list of token-id lists of any
+    lengths). Returns (tokens, mask, logprobs), each (N, L) with N = len(prompts) * num_samples rows
+    in prompt-major order and L <= max_new_tokens the steps taken. eos_id: one id or several (Qwen's
+    instruct models stop on <|im_end|> and <|endoftext|>). A row ends at its first eos, which it
+    keeps; after it tokens are the smallest eos id (0 if None), mask is False and logprobs 0.
+    logprobs: each token's under the distribution it was drawn from (see sample), as logprobs()
+    computes it with the same top_k and top_p. temperature=0 is greedy, with log-probs at
+    temperature 1. generator: one torch.Generator for the whole batch, or a list of one per prompt,
+    whose draws then depend on nothing else: a prompt gets the same samples alone or in any batch.
+    turns (multi-turn): called as turns(row, ids) when a row samples an eos id, with the row's
+    tokens so far; it returns the token ids of an observation to append (the row then goes on) or
+    None (the row ends). The observation's tokens are in tokens, with mask False and logprobs 0:
+    context, not the policy's actions. The calls of one step run in turn_workers threads (the
+    observations in row order), for a turns that depends on its arguments alone.
 
-    The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its samples,
-    right-aligned so that the rows decode level (a per-row key mask hides the left padding), in a static cache
-    the model keeps across calls; an observation is read into its row's cache in one forward of its tokens.
+    The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its
+    samples, right-aligned so that the rows decode level (a per-row key mask hides the left
+    padding), in a static cache the model keeps across calls; an observation is read into its row's
+    cache in one forward of its tokens.
     """
     lengths = [len(p) for p in prompts]
     for i, n in enumerate(lengths):
         if n == 0:
-            raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token to condition on")
-        model.check_length(n + max_new_tokens, f"prompt {i} ({n} tokens) + max_new_tokens ({max_new_tokens})")
+            raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token "
+                             f"to condition on")
+        model.check_length(n + max_new_tokens,
+                           f"prompt {i} ({n} tokens) + max_new_tokens ({max_new_tokens})")
     if turns is not None and eos_id is None:
-        raise ValueError("turns needs eos_id: a turn ends where a row samples one of those ids; pass them as eos_id")
+        raise ValueError("turns needs eos_id: a turn ends where a row samples one of those ids; "
+                         "pass them as eos_id")
     if not prompts or max_new_tokens < 1 or num_samples < 1 or temperature < 0:
-        raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, num_samples >= 1 and "
-                         "temperature >= 0")
+        raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, "
+                         "num_samples >= 1 and temperature >= 0")
     check_sampling(top_k, top_p)
     was_training = model.training
     model.eval()
     try:
-        with multiturn.observer(turns, turn_workers) as observe, cast_once(model):  # observe None: one turn
-            return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id, generator,
-                             observe)
+        # observe None: one turn
+        with multiturn.observer(turns, turn_workers) as observe, cast_once(model):
+            return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p,
+                             eos_id, generator, observe)
     finally:
         model.train(was_training)
         if not model.decode_graphs:  # only the graphs need the cache where it was
@@ -69,9 +78,10 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
 
 @contextlib.contextmanager
 def cast_once(model):
-    """Under autocast, each weight cast to bf16 once a call, not once a step: autocast keeps its casts (until its
-    block ends) of parameters that require grad only, so a frozen one (LoRA's base, its output layer most of all)
-    is marked as one meanwhile; under no_grad that builds no graph, and changes no number."""
+    """Under autocast, each weight cast to bf16 once a call, not once a step: autocast keeps its
+    casts (until its block ends) of parameters that require grad only, so a frozen one (LoRA's base,
+    its output layer most of all) is marked as one meanwhile; under no_grad that builds no graph,
+    and changes no number."""
     frozen = [p for p in model.parameters() if not p.requires_grad]
     for p in frozen:
         p.requires_grad_(True)
@@ -83,44 +93,52 @@ def cast_once(model):
 
 
 def static_cache(model, N, S, dtype, device):
-    """The model's KV cache with at least N rows and S columns: per layer keys and values (rows, nkv, cols, hs),
-    and a key mask (rows, cols). With graphs, kept for the next call and grown (to the largest rows and columns
-    asked so far; cuda_graphs keeps its graphs in it, so they go with it) only when a call needs more. Zeros, not
-    empty: masked columns get attention weight 0, and 0 * NaN garbage would still be NaN; after that only the
-    model's own keys and values are written."""
+    """The model's KV cache with at least N rows and S columns: per layer keys and values (rows,
+    nkv, cols, hs), and a key mask (rows, cols). With graphs, kept for the next call and grown (to
+    the largest rows and columns asked so far; cuda_graphs keeps its graphs in it, so they go with
+    it) only when a call needs more. Zeros, not empty: masked columns get attention weight 0, and 0
+    * NaN garbage would still be NaN; after that only the model's own keys and values are
+    written."""
     cfg, c = model.config, _CACHES.get(model)
-    if c is None or c["kv"][0][0].shape[0] < N or c["kv"][0][0].shape[2] < S or c["kv"][0][0].dtype != dtype or \
-            c["kv"][0][0].device != device:
-        rows, cols = (N, S) if c is None else (max(N, c["mask"].shape[0]), max(S, c["mask"].shape[1]))
+    keys = None if c is None else c["kv"][0][0]  # the first layer's: all layers' are alike
+    fits = keys is not None and keys.shape[0] >= N and keys.shape[2] >= S
+    if not fits or keys.dtype != dtype or keys.device != device:
+        rows, cols = (N, S) if c is None else (max(N, keys.shape[0]), max(S, keys.shape[2]))
         _CACHES.pop(model, None)  # free the old one before allocating the new
         c = _CACHES[model] = dict(
-            kv=[[torch.zeros(rows, cfg.n_kv_head, cols, cfg.head_dim, dtype=dtype, device=device) for _ in "kv"]
-                for _ in range(cfg.n_layer)], mask=torch.zeros(rows, cols, dtype=torch.bool, device=device))
+            kv=[[torch.zeros(rows, cfg.n_kv_head, cols, cfg.head_dim, dtype=dtype, device=device)
+                 for _ in "kv"] for _ in range(cfg.n_layer)],
+            mask=torch.zeros(rows, cols, dtype=torch.bool, device=device))
     return c
 
 
 @dataclass
 class Batch:
-    """The rows still decoding. Each field holds one entry a row, in batch order; drop_finished removes the
-    finished rows from all of them at once, and from the cache."""
+    """The rows still decoding. Each field holds one entry a row, in batch order; drop_finished
+    removes the finished rows from all of them at once, and from the cache."""
     out_row: torch.Tensor  # (n,) the row of the output each batch row writes to
     prompt_len: torch.Tensor  # (n,) the row's prompt length: its positions go on from there
-    newest: torch.Tensor  # (n,) the index of the row's newest token, which is in cache column prompt_width + newest
-    done: torch.Tensor  # (n,) bool: the row has ended, and writes its tokens where they are never returned
+    # (n,) the index of the row's newest token, which is in cache column prompt_width + newest
+    newest: torch.Tensor
+    # (n,) bool: the row has ended, and writes its tokens where they are never returned
+    done: torch.Tensor
     tok: torch.Tensor  # (n,) the newest token, the next decode step's input
     logp: torch.Tensor  # (n,) its log-prob
-    kv: list  # per layer (keys, values), each (n, n_kv_head, columns, head_dim): views into the static cache
+    # per layer (keys, values), each (n, n_kv_head, columns, head_dim): views into the static cache
+    kv: list
     key_mask: torch.Tensor  # (n, columns) False where a row's prompt is padded on the left
-    furthest: int = 0  # the largest newest index (a row that read an observation is ahead of the others)
+    # the largest newest index (a row that read an observation is ahead of the others)
+    furthest: int = 0
 
 
 @dataclass
 class Output:
-    """What generate returns, filled one step at a time. Step-major: tokens[t] holds each row's t-th token; the
-    last row, tokens[steps], is where finished rows write, and is never returned."""
+    """What generate returns, filled one step at a time. Step-major: tokens[t] holds each row's t-th
+    token; the last row, tokens[steps], is where finished rows write, and is never returned."""
     tokens: torch.Tensor  # (steps + 1, N)
     logps: torch.Tensor  # (steps + 1, N)
-    observed: torch.Tensor = None  # multi-turn: (steps + 1, N) bool, True where a token is an observation's
+    # multi-turn: (steps + 1, N) bool, True where a token is an observation's
+    observed: torch.Tensor = None
     last_own: list = None  # multi-turn: each row's index of its last own token
 
     def record(self, batch):
@@ -130,19 +148,22 @@ class Output:
         self.logps.index_put_((at, batch.out_row), batch.logp)
 
 
-def _generate(model, prompts, max_new_tokens, samples_per_prompt, temperature, top_k, top_p, eos_id, generator,
-              turns):
-    """generate's loop: prefill the prompts, sample each row's first token, then one decode step a token for all
-    the live rows together, ending rows at their eos and dropping the finished ones from the batch every few
-    steps."""
+def _generate(model, prompts, max_new_tokens, samples_per_prompt, temperature, top_k, top_p, eos_id,
+              generator, turns):
+    """generate's loop: prefill the prompts, sample each row's first token, then one decode step a
+    token for all the live rows together, ending rows at their eos and dropping the finished ones
+    from the batch every few steps."""
     device, dtype, steps = model.lm_head.weight.device, model.compute_dtype(), max_new_tokens
     n_rows, prompt_width = len(prompts) * samples_per_prompt, max(len(p) for p in prompts)
-    columns = prompt_width + steps - 1  # the last sampled token is never fed back, so needs no column
+    columns = prompt_width + steps - 1  # the last sampled token is never fed back
     cache = static_cache(model, n_rows, columns, dtype, device)
-    # every uniform the sampler will use, drawn up front so that a row's draws depend on nothing else
-    uniforms = draw_uniforms(generator, steps, len(prompts), samples_per_prompt, device)  # (steps, N, 2)
-    eos = None if eos_id is None else torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id)),
-                                                   device=device)
+    # Every uniform the sampler will use, (steps, N, 2), drawn up front so that a row's draws
+    # depend on nothing else.
+    uniforms = draw_uniforms(generator, steps, len(prompts), samples_per_prompt, device)
+    eos = None
+    if eos_id is not None:  # one id or several, sorted: the smallest is what a finished row holds
+        eos_ids = sorted({eos_id} if isinstance(eos_id, int) else set(eos_id))
+        eos = torch.tensor(eos_ids, device=device)
     fill = 0 if eos is None else int(eos[0])  # what a row holds after its end
     out = Output(tokens=torch.full((steps + 1, n_rows), fill, device=device),
                  logps=torch.zeros(steps + 1, n_rows, device=device))
@@ -152,7 +173,8 @@ def _generate(model, prompts, max_new_tokens, samples_per_prompt, temperature, t
 
     batch, logits = prefill(model, prompts, samples_per_prompt, cache, prompt_width)
     batch.tok, batch.logp = sample(logits, temperature, top_k, top_p, uniforms[0])
-    decode = DecodeStep(model, cache, dtype, prompt_width, columns, uniforms, temperature, top_k, top_p)
+    decode = DecodeStep(model, cache, dtype, prompt_width, columns, uniforms,
+                        dict(temperature=temperature, top_k=top_k, top_p=top_p))
     for step in range(steps):
         out.record(batch)
         end_rows(model, batch, out, eos, turns, prompt_width, steps)
@@ -166,38 +188,44 @@ def _generate(model, prompts, max_new_tokens, samples_per_prompt, temperature, t
 
 
 def prefill(model, prompts, samples_per_prompt, cache, prompt_width):
-    """Each prompt once through the model, straight into the cache rows of its samples, right-aligned at column
-    prompt_width so that all rows then decode level (the key mask hides the left padding). Returns the batch of all
-    rows and the logits (N, vocab_size) each row draws its first token from."""
+    """Each prompt once through the model, straight into the cache rows of its samples,
+    right-aligned at column prompt_width so that all rows then decode level (the key mask hides the
+    left padding). Returns the batch of all rows and the logits (N, vocab_size) each row draws its
+    first token from."""
     device, n_rows = cache["mask"].device, len(prompts) * samples_per_prompt
     kv = [(k[:n_rows], v[:n_rows]) for k, v in cache["kv"]]  # each layer's keys and values: views
-    prompt_len = torch.tensor([len(p) for p in prompts], device=device).repeat_interleave(samples_per_prompt)
+    prompt_len = torch.tensor([len(p) for p in prompts], device=device)
+    prompt_len = prompt_len.repeat_interleave(samples_per_prompt)  # (N,)
     key_mask = cache["mask"][:n_rows]
-    key_mask.copy_(torch.arange(key_mask.size(1), device=device) >= (prompt_width - prompt_len)[:, None])
+    padding = (prompt_width - prompt_len)[:, None]  # (N, 1) each row's left padding
+    key_mask.copy_(torch.arange(key_mask.size(1), device=device) >= padding)
     last_hidden = []  # each prompt's last hidden state (1, C)
     for i, prompt in enumerate(prompts):
         rows = slice(i * samples_per_prompt, (i + 1) * samples_per_prompt)
-        h = model.hidden(torch.tensor(prompt, device=device)[None], kv=[(k[rows], v[rows]) for k, v in kv],
+        rows_kv = [(k[rows], v[rows]) for k, v in kv]
+        h = model.hidden(torch.tensor(prompt, device=device)[None], kv=rows_kv,
                          col=prompt_width - len(prompt))  # (1, len, C)
         last_hidden.append(h[:, -1])
-    # The output layer runs once for all prompts, so its weight is read (and under autocast cast) once; each
-    # prompt's row of logits is repeated for its samples, which draw from it independently.
-    logits = model.lm_head(torch.cat(last_hidden)).repeat_interleave(samples_per_prompt, 0)  # (N, vocab_size)
+    # The output layer runs once for all prompts, so its weight is read (and under autocast cast)
+    # once; each prompt's row of logits is repeated for its samples, which draw from it
+    # independently.
+    # (N, vocab_size)
+    logits = model.lm_head(torch.cat(last_hidden)).repeat_interleave(samples_per_prompt, 0)
     zeros = torch.zeros(n_rows, dtype=torch.long, device=device)
     batch = Batch(out_row=torch.arange(n_rows, device=device), prompt_len=prompt_len, newest=zeros,
-                  done=torch.zeros(n_rows, dtype=torch.bool, device=device), tok=None, logp=None, kv=kv,
-                  key_mask=key_mask)
+                  done=torch.zeros(n_rows, dtype=torch.bool, device=device), tok=None, logp=None,
+                  kv=kv, key_mask=key_mask)
     return batch, logits
 
 
 def end_rows(model, batch, out, eos, turns, prompt_width, steps):
-    """Mark the rows whose newest token ends them. With turns, a row that sampled an eos reads in its observation
-    and goes on, unless its episode is over (lib/multiturn.py)."""
+    """Mark the rows whose newest token ends them. With turns, a row that sampled an eos reads in
+    its observation and goes on, unless its episode is over (lib/multiturn.py)."""
     if turns is not None:
         batch.tok, batch.logp, batch.done, ahead = multiturn.end_turns(
-            turns, model, live=batch.out_row, tok=batch.tok, lp=batch.logp, j=batch.newest, done=batch.done,
-            eos=eos, kv=batch.kv, key_mask=batch.key_mask, lens=batch.prompt_len, P=prompt_width,
-            tokens=out.tokens, observed=out.observed, last=out.last_own)
+            turns, model, live=batch.out_row, tok=batch.tok, lp=batch.logp, j=batch.newest,
+            done=batch.done, eos=eos, kv=batch.kv, key_mask=batch.key_mask, lens=batch.prompt_len,
+            P=prompt_width, tokens=out.tokens, observed=out.observed, last=out.last_own)
         batch.furthest = max(batch.furthest, ahead)
         # a row that read an observation can reach the last step before the others
         batch.done = batch.done | (batch.newest == steps - 1)
@@ -206,14 +234,16 @@ def end_rows(model, batch, out, eos, turns, prompt_width, steps):
 
 
 def drop_finished(batch, columns, compact):
-    """Returns False when every row has ended. Otherwise, when at least a quarter of the rows have ended, copies
-    the live rows' caches into the first rows of the static cache (it never moves) and keeps only their entries in
-    the batch. Not for fewer, as the copy has a cost; and not with CUDA graphs (compact False), which would capture
-    a graph for each batch size, while a finished row costs a replayed step little (weights are read once)."""
-    keep = (~batch.done).nonzero().squeeze(1)
+    """Returns False when every row has ended. Otherwise, when at least a quarter of the rows have
+    ended, copies the live rows' caches into the first rows of the static cache (it never moves) and
+    keeps only their entries in the batch. Not for fewer, as the copy has a cost; and not with CUDA
+    graphs (compact False), which would capture a graph for each batch size, while a finished row
+    costs a replayed step little (weights are read once)."""
+    done = batch.done
+    keep = (~done).nonzero().squeeze(1)
     if keep.numel() == 0:
         return False
-    if keep.numel() <= 0.75 * batch.done.numel() and compact:
+    if keep.numel() <= 0.75 * done.numel() and compact:
         n = keep.numel()
         for k, v in batch.kv:
             k[:n, :, :columns], v[:n, :, :columns] = k[keep, :, :columns], v[keep, :, :columns]
@@ -225,46 +255,55 @@ def drop_finished(batch, columns, compact):
 
 
 class DecodeStep:
-    """One decode step of the whole batch: each row's newest token into its next cache column, and the next
-    token sampled. model.decode runs it, or with CUDA graphs lib/cuda_graphs.py replays it."""
+    """One decode step of the whole batch: each row's newest token into its next cache column, and
+    the next token sampled. model.decode runs it, or with CUDA graphs lib/cuda_graphs.py replays
+    it."""
 
-    def __init__(self, model, cache, dtype, prompt_width, columns, uniforms, temperature, top_k, top_p):
-        self.step = cuda_graphs.decoder(model, cache, dtype) if model.decode_graphs else model.decode
+    def __init__(self, model, cache, dtype, prompt_width, columns, uniforms, sampling):
+        if model.decode_graphs:
+            self.step = cuda_graphs.decoder(model, cache, dtype)
+        else:
+            self.step = model.decode
         self.prompt_width, self.columns, self.uniforms = prompt_width, columns, uniforms
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        # A step attends over the cache columns written so far, rounded up to a multiple of 64, so that a
-        # compiled step or a graph sees few shapes: reading the keys and values is most of a decode step's time
-        # outside the matmuls. width: how many columns the step attends; sliced_from: the batch's cache views the
-        # step's slices were taken from (drop_finished replaces them).
+        self.sampling = sampling  # temperature, top_k and top_p, as decode takes them
+        # A step attends over the cache columns written so far, rounded up to a multiple of 64, so
+        # that a compiled step or a graph sees few shapes: reading the keys and values is most of a
+        # decode step's time outside the matmuls. width: how many columns the step attends;
+        # sliced_from: the batch's cache views the step's slices were taken from (drop_finished
+        # replaces them).
         self.width, self.sliced_from = 0, None
 
     def __call__(self, batch):
         steps, prompt_width = len(self.uniforms), self.prompt_width
         if batch.kv is not self.sliced_from or prompt_width + batch.furthest + 1 > self.width:
-            # at most `columns`, not the cache's own (larger with graphs): the same sums from call to call
+            # at most `columns`, not the cache's own (larger with graphs): the same sums from call
+            # to call
             self.width = min(self.columns, (prompt_width + batch.furthest + 64) // 64 * 64)
             self.kv = [(k[:, :, :self.width], v[:, :, :self.width]) for k, v in batch.kv]
             self.key_mask, self.sliced_from = batch.key_mask[:, :self.width], batch.kv
         # a finished row writes over its last column, which nothing reads again
         col = (prompt_width + batch.newest).clamp(max=self.columns - 1)
         uniforms = self.uniforms[(batch.newest + 1).clamp(max=steps - 1), batch.out_row]
-        batch.tok, batch.logp = self.step(tok=batch.tok, pos=batch.prompt_len + batch.newest, col=col, u=uniforms,
+        positions = batch.prompt_len + batch.newest
+        batch.tok, batch.logp = self.step(tok=batch.tok, pos=positions, col=col, u=uniforms,
                                           kv=self.kv, key_mask=self.key_mask, **self.sampling)
         batch.newest = batch.newest + ~batch.done
         batch.furthest = min(batch.furthest + 1, steps - 1)
 
 
 def finish(out, eos, steps, device):
-    """(tokens, mask, logprobs), each (N, L): the steps up to any row's last own token, mask True on a row's own
-    tokens up to its end."""
+    """(tokens, mask, logprobs), each (N, L): the steps up to any row's last own token, mask True on
+    a row's own tokens up to its end."""
     tokens, logps = out.tokens[:steps].t(), out.logps[:steps].t()  # (N, steps)
     if out.observed is not None:  # a row's own tokens up to its last: never an observation's
         mask = ~out.observed[:steps].t() & (torch.arange(steps, device=device)
                                             <= torch.tensor(out.last_own, device=device)[:, None])
     elif eos is None:
         mask = torch.ones_like(tokens, dtype=torch.bool)
-    else:  # a row ends with its eos and is filled with eos after it: real tokens have no eos before them
+    else:
+        # a row ends with its eos and is filled with eos after it: real tokens have no eos before
+        # them
         is_eos = torch.isin(tokens, eos).int()
         mask = (is_eos.cumsum(1) - is_eos) == 0
     length = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
-    return tokens[:, :length].contiguous(), mask[:, :length].contiguous(), logps[:, :length].contiguous()
+    return tuple(x[:, :length].contiguous() for x in (tokens, mask, logps))

@@ -1,6 +1,7 @@
 """
-Sampling: one token per row of logits, drawn exactly from the temperature softmax restricted by top-k/top-p, with
-the log-prob the trainer computes for it. model.py's generate and decode call it at every step.
+Sampling: one token per row of logits, drawn exactly from the temperature softmax restricted by
+top-k/top-p, with the log-prob the trainer computes for it. model.py's generate and decode call it
+at every step.
 """
 import math
 
@@ -19,14 +20,15 @@ def check_sampling(top_k, top_p):
 
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
-    """Draw one token per row of logits (B, V) from softmax(logits / temperature), restricted to the top_k most
-    likely tokens and then to the smallest set of them holding top_p of their mass (lib/truncation.py), and return
-    (tokens (B,) long, log-probs (B,) float32). The log-prob is under the distribution the token was drawn from: the
-    temperature softmax, renormalised over the kept tokens when top_k or top_p restricts them (log q), the number the
-    trainer's logprobs() computes with the same top_k and top_p. temperature=0 is greedy (log-probs of the full
-    softmax at temperature 1). top_p without top_k sorts the whole vocabulary, which is slow on CPU; a top_k as well
-    keeps it cheap. u (B, 2): the two uniforms in [0, 1) each row's draw uses; by default from torch's global
-    generator."""
+    """Draw one token per row of logits (B, V) from softmax(logits / temperature), restricted to the
+    top_k most likely tokens and then to the smallest set of them holding top_p of their mass
+    (lib/truncation.py), and return (tokens (B,) long, log-probs (B,) float32). The log-prob is
+    under the distribution the token was drawn from: the temperature softmax, renormalised over the
+    kept tokens when top_k or top_p restricts them (log q), the number the trainer's logprobs()
+    computes with the same top_k and top_p. temperature=0 is greedy (log-probs of the full softmax
+    at temperature 1). top_p without top_k sorts the whole vocabulary, which is slow on CPU; a top_k
+    as well keeps it cheap. u (B, 2): the two uniforms in [0, 1) each row's draw uses; by default
+    from torch's global generator."""
     x = logits.float()
     u = torch.rand(x.size(0), 2, device=x.device) if u is None else u
     if temperature not in (0, 1):
@@ -44,28 +46,33 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
     return tok.squeeze(1), p.gather(1, tok).log().squeeze(1)
 
 def draw_uniforms(generator, steps, n_prompts, samples_per_prompt, device):
-    """Every uniform a generate call's sampler uses, (steps, N, 2): two per row and step (see _draw), drawn up
-    front. generator: one torch.Generator for all rows, or a list of one per prompt, whose rows' draws then depend
-    on nothing else, so that a prompt gets the same samples alone or in any batch."""
+    """Every uniform a generate call's sampler uses, (steps, N, 2): two per row and step (see
+    _draw), drawn up front. generator: one torch.Generator for all rows, or a list of one per
+    prompt, whose rows' draws then depend on nothing else, so that a prompt gets the same samples
+    alone or in any batch."""
     if isinstance(generator, (list, tuple)):
         if len(generator) != n_prompts:
-            raise ValueError(f"{len(generator)} generators for {n_prompts} prompts; give one per prompt")
+            raise ValueError(f"{len(generator)} generators for {n_prompts} prompts; "
+                             f"give one per prompt")
         return torch.cat([torch.rand(steps, samples_per_prompt, 2, device=device, generator=g)
                           for g in generator], 1)
     return torch.rand(steps, n_prompts * samples_per_prompt, 2, device=device, generator=generator)
 
 def _draw(w, u):
-    """Exact inverse-CDF draw of one index (B, 1) per row of nonnegative weights w (B, V). A cumsum over the whole
-    vocabulary is slow (it is sequential), so draw in two levels: a block of ~sqrt(V) tokens by its mass, then a
-    token inside the block by its weight, each with its own uniform of u (B, 2): two short cumsums instead of one
-    over V (torch.multinomial is much slower still: docs/performance.md)."""
+    """Exact inverse-CDF draw of one index (B, 1) per row of nonnegative weights w (B, V). A cumsum
+    over the whole vocabulary is slow (it is sequential), so draw in two levels: a block of ~sqrt(V)
+    tokens by its mass, then a token inside the block by its weight, each with its own uniform of u
+    (B, 2): two short cumsums instead of one over V (torch.multinomial is much slower still:
+    docs/performance.md)."""
     B, V = w.shape
     bs = math.isqrt(V - 1) + 1  # block size
     full = V // bs * bs
-    mass = torch.cat([w[:, :full].view(B, -1, bs).sum(-1), w[:, full:].sum(-1, keepdim=True)], 1)  # (B, nb)
+    # (B, nb)
+    mass = torch.cat([w[:, :full].view(B, -1, bs).sum(-1), w[:, full:].sum(-1, keepdim=True)], 1)
     block = _search(mass.cumsum(-1), u[:, :1])  # (B, 1)
     cols = block * bs + torch.arange(bs, device=w.device)  # (B, bs) the block's token ids
-    inside = w.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0)  # (B, bs) the last block may be short
+    # (B, bs) the last block may be short
+    inside = w.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0)
     return block * bs + _search(inside.cumsum(-1), u[:, 1:])
 
 def _search(cdf, u):
@@ -77,13 +84,14 @@ def _search(cdf, u):
 
 
 @torch.no_grad()
-def reference_generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None,
-                       generator=None, return_logits=False):
-    """The plain sampler that engine.py's generate is tested against: no cache, every step runs each row's whole
-    sequence through the model again and draws its next token from the last position's logits. The draws are
-    generate's (the same uniforms from the same generator, the same sample()), so its tokens are bitwise
-    comparable. Every row runs max_new_tokens steps: there is no eos. Returns (tokens, logprobs), each (N,
-    max_new_tokens), and with return_logits the list of each step's logits (N, vocab_size) too."""
+def reference_generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0,
+                       top_k=None, top_p=None, generator=None, return_logits=False):
+    """The plain sampler that engine.py's generate is tested against: no cache, every step runs each
+    row's whole sequence through the model again and draws its next token from the last position's
+    logits. The draws are generate's (the same uniforms from the same generator, the same sample()),
+    so its tokens are bitwise comparable. Every row runs max_new_tokens steps: there is no eos.
+    Returns (tokens, logprobs), each (N, max_new_tokens), and with return_logits the list of each
+    step's logits (N, vocab_size) too."""
     device = model.lm_head.weight.device
     uniforms = draw_uniforms(generator, max_new_tokens, len(prompts), num_samples, device)
     rows = [p for p in prompts for _ in range(num_samples)]
@@ -92,10 +100,12 @@ def reference_generate(model, prompts, max_new_tokens, *, num_samples=1, tempera
     for i, row in enumerate(rows):
         groups.setdefault(len(row), []).append(i)
     sequences = [torch.tensor([rows[i] for i in group], device=device) for group in groups.values()]
-    order = torch.tensor([i for group in groups.values() for i in group], device=device)  # row of each group row
+    # row of each group row
+    order = torch.tensor([i for group in groups.values() for i in group], device=device)
     tokens, logps, seen = [], [], []
     for step in range(max_new_tokens):
-        grouped = torch.cat([model.lm_head(model.hidden(seq)[:, -1]) for seq in sequences])  # (N, vocab_size)
+        # (N, vocab_size)
+        grouped = torch.cat([model.lm_head(model.hidden(seq)[:, -1]) for seq in sequences])
         logits = torch.empty_like(grouped).index_copy_(0, order, grouped)  # back in row order
         tok, logp = sample(logits, temperature, top_k, top_p, uniforms[step])
         new = tok[order].split([len(seq) for seq in sequences])
