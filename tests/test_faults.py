@@ -3,6 +3,7 @@ Safe under faults (issue 5): a non-finite step is skipped and counted, too many 
 good checkpoint intact, and SIGKILL at random moments (mid-checkpoint included) never leaves out_dir without a
 complete, loadable latest checkpoint.
 """
+import functools
 import json
 import os
 import random
@@ -40,6 +41,7 @@ def nan_on(calls):
     """A grpo_loss that returns NaN on the given call numbers (1-based), the real loss otherwise."""
     real, count = loss.grpo_loss, [0]
 
+    @functools.wraps(real)  # its signature is loss.settings()'s
     def grpo_loss(*args, **kwargs):
         out, stats = real(*args, **kwargs)
         count[0] += 1
