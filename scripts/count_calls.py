@@ -1,0 +1,56 @@
+"""
+How much of the project one GRPO iteration runs (issue 48's measure of how plain the core reads): the files and
+named functions of this repository called from the first rollout() to the second, one process, single turn, plain=True
+by default. Comprehensions, generator expressions and lambdas are not counted.
+
+$ python -m scripts.count_calls                   # the default task, plain=True
+$ python -m scripts.count_calls --plain=False     # the fast path; any train.py flag may follow
+"""
+import os
+import runpy
+import sys
+import threading
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNNAMED = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")
+
+
+def main(flags):
+    seen, state = {}, dict(rollouts=0)
+
+    def hook(frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_filename.startswith("<"):  # frozen modules, dataclasses' generated methods
+            return
+        path = os.path.abspath(code.co_filename)
+        if path == os.path.join(ROOT, "rollout.py") and code.co_name == "rollout":
+            state["rollouts"] += 1
+            if state["rollouts"] == 2:  # the iteration is over: stop the run here
+                raise SystemExit(0)
+        inside = path.startswith(ROOT + os.sep) and os.sep + ".venv" not in path and "/tests/" not in path
+        if state["rollouts"] == 1 and inside and code.co_name not in UNNAMED and path != __file__:
+            seen.setdefault(os.path.relpath(path, ROOT), set()).add(code.co_qualname)
+
+    sys.argv = ["train.py", "--plain=True", "--max_iters=2", "--sft_iters=0", "--eval_interval=0",
+                "--save_interval=0", "--out_dir=/tmp/count_calls", *flags]
+    sys.path.insert(0, ROOT)
+    os.chdir(ROOT)
+    threading.setprofile(hook)
+    sys.setprofile(hook)
+    try:
+        runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+    except SystemExit:
+        pass
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    functions = sum(len(names) for names in seen.values())
+    print(f"one iteration ran {functions} named functions in {len(seen)} files of the project:")
+    for path in sorted(seen):
+        print(f"  {path} ({len(seen[path])}): {', '.join(sorted(seen[path]))}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
