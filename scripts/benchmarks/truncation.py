@@ -41,10 +41,9 @@ def edge(model, args, top_k, top_p):
                                           top_p=top_p,
                                           generator=torch.Generator(args.device).manual_seed(5))
     hook.remove()
-    # the prefill's one row per prompt (its G rows draw their first token from it), then a row
-    # each decode step
-    first = torch.cat([p.expand(G, 3) for p in prints[:len(prompts)]])
-    sampler = torch.stack([first] + prints[len(prompts):])  # (new_tokens, rows, 3)
+    # the prefill's row a prompt (its G rows draw their first token from it), then a row each
+    # decode step
+    sampler = torch.stack([prints[0].repeat_interleave(G, 0)] + prints[1:])  # (new_tokens, rows, 3)
     differ = outside = gap = 0
     for r, row in enumerate(tokens):
         idx = torch.tensor(prompts[r // G] + row.tolist(), device=row.device)[None]
