@@ -1,7 +1,8 @@
 """
-Held-out evaluation: the policy's greedy accuracy and unbiased pass@k on the test prompts, each rank sampling its
-share of them and the counts summed over ranks, so the numbers are the same on 1 GPU and on 8. train.py calls
-evaluate every eval_interval iterations; its warm start asks greedy_hits when it may stop.
+Held-out evaluation: the policy's greedy accuracy and unbiased pass@k on the test prompts. Each rank
+samples its share of them and the counts are summed over ranks, so the numbers are the same on 1 GPU
+and on 8. train.py calls evaluate every eval_interval iterations; its warm start asks greedy_hits
+when it may stop.
 
 Right means one verifier's score >= 1, whatever else the run is rewarded for (with_accuracy).
 """
@@ -53,7 +54,8 @@ def greedy_hits(model, rows, seeds, cfg, enc, accuracy, tick=lambda done: None):
     per, hits, texts = max(1, cfg.prompts_per_step // cfg.world_size), 0, []
     for i in range(0, len(rows), per):
         part = rows[i:i + per]
-        _, tokens, mask, _, record = sample(model, part, seeds[i:i + per], cfg, enc, temperature=0.0, num_samples=1)
+        _, tokens, mask, _, record = sample(model, part, seeds[i:i + per], cfg, enc,
+                                            temperature=0.0, num_samples=1)
         correct, _, done, _ = score(part, tokens, mask, cfg, enc, [accuracy], [1.0], num_samples=1,
                                     record=record)
         hits, texts = hits + (correct >= 1).sum().item(), texts + done[:3 - len(texts)]
@@ -70,7 +72,8 @@ def evaluate(model, test_rows, it, rank, cfg, enc, accuracy, every):
     the sampler's steps.
     """
     rows = test_rows[rank::cfg.world_size]
-    seeds = [prompt_seed(cfg.seed, -1, j) for j in range(rank, len(test_rows), cfg.world_size)]  # the same every eval
+    # the same seeds at every evaluation: the numbers move only when the policy does
+    seeds = [prompt_seed(cfg.seed, -1, j) for j in range(rank, len(test_rows), cfg.world_size)]
     per, G, c = max(1, cfg.prompts_per_step // cfg.world_size), cfg.num_generations, []
     with gathered(model):
         greedy, texts = greedy_hits(model, rows, seeds, cfg, enc, accuracy,
@@ -83,14 +86,16 @@ def evaluate(model, test_rows, it, rank, cfg, enc, accuracy, every):
             c += (correct >= 1).view(-1, G).sum(1).tolist()  # correct samples per prompt
             tick(i + len(part))
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= G] + ([G] if G & (G - 1) else [])
-    sums = all_sum(torch.tensor([greedy, len(rows)] + [sum(pass_at_k(G, ci, k) for ci in c) for k in ks],
-                                dtype=torch.float64)).tolist()
+    counts = [greedy, len(rows)] + [sum(pass_at_k(G, ci, k) for ci in c) for k in ks]
+    sums = all_sum(torch.tensor(counts, dtype=torch.float64)).tolist()
     out = {'eval/greedy_acc': sums[0] / sums[1]}
     out.update({f'eval/pass@{k}': v / sums[1] for k, v in zip(ks, sums[2:])})
     return out, list(zip([r['prompt'] for r in rows], texts))
 
 
 def report(metrics, samples, it):
-    """The evaluation's lines: greedy accuracy and pass@k, then the first prompts with their greedy completions."""
-    return "\n".join([f"eval {it}: greedy acc {metrics['eval/greedy_acc']:.3f} | " + " | ".join(
-        f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k)] + [f"    {p!r} -> {c!r}" for p, c in samples])
+    """The evaluation's lines: greedy accuracy and pass@k, then the first prompts with their greedy
+    completions."""
+    passes = " | ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if 'pass' in k)
+    first = f"eval {it}: greedy acc {metrics['eval/greedy_acc']:.3f} | {passes}"
+    return "\n".join([first] + [f"    {p!r} -> {c!r}" for p, c in samples])

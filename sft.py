@@ -1,8 +1,9 @@
 """
-The supervised warm start, a cold start as in DeepSeek-R1: next-token training on the task's answers before RL.
-GRPO learns only from groups whose rewards differ, so a policy that never earns a reward learns nothing; a model
-trained from scratch starts here, a pretrained one skips it (train.py's sft_iters). The weights it ends with are
-cached in out_dir/warmstart and reused by later runs while the settings that made them match.
+The supervised warm start, a cold start as in DeepSeek-R1: next-token training on the task's answers
+before RL. GRPO learns only from groups whose rewards differ, so a policy that never earns a reward
+learns nothing; a model trained from scratch starts here, a pretrained one skips it (train.py's
+sft_iters). The weights it ends with are cached in out_dir/warmstart and reused by later runs while
+the settings that made them match.
 """
 import json
 import math
@@ -27,9 +28,10 @@ KEYS = ('init_from', 'task', 'task_options', 'tokenizer', 'chat_template', 'syst
 
 
 def target(row, cfg, enc):
-    """A row's tokens to learn, and which are the policy's (1) rather than an observation's (0): its answer and the
-    end of text; with an environment and a row that has a demonstration, the demonstration's turns instead, with
-    the environment's own observations between them, as a multi-turn rollout would have them."""
+    """A row's tokens to learn, and which are the policy's (1) rather than an observation's (0): its
+    answer and the end of text; with an environment and a row that has a demonstration, the
+    demonstration's turns instead, with the environment's own observations between them, as a
+    multi-turn rollout would have them."""
     turns = row.get('demonstration') if cfg.environment is not None else None
     ids, own, text, episode = [], [], '', {}
     for k, turn in enumerate(turns or [row['answer']]):
@@ -50,21 +52,26 @@ def default_iters(init_from):
 
 
 def warm_start(model, raw_model, optimizer, rows, cfg, enc, accuracy, rank):
-    """Train `model` (DDP's or FSDP's wrapper of raw_model) on the answers of the train rows with `optimizer`, or
-    load the cached result. Every rank takes sft_batch_size / ranks rows a step, the same draws whatever the ranks.
-    With sft_target_acc it ends once greedy accuracy (`accuracy` scores >= 1) on the first 256 train
-    prompts reaches it (checked every sft_check_interval steps). Rank 0 prints what it did."""
+    """Train `model` (DDP's or FSDP's wrapper of raw_model) on the answers of the train rows with
+    `optimizer`, or load the cached result. Every rank takes sft_batch_size / ranks rows a step, the
+    same draws whatever the ranks. With sft_target_acc it ends once greedy accuracy (`accuracy`
+    scores >= 1) on the first 256 train prompts reaches it (checked every sft_check_interval
+    steps). Rank 0 prints what it did."""
     began = time.time()
-    spec = json.loads(json.dumps({k: getattr(cfg, k) for k in KEYS}))  # as the JSON file reads back: lists, not tuples
+    # the settings as the JSON file reads them back: lists, not tuples
+    spec = json.loads(json.dumps({k: getattr(cfg, k) for k in KEYS}))
     path = os.path.join(cfg.out_dir, 'warmstart')
     p = next(raw_model.parameters())
     dtype, device = p.dtype, p.device
-    if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:  # whole tensors, sharded if need be
-        parallelism.load_whole(raw_model, lambda: GPT.from_pretrained(path, dtype=dtype).state_dict())
+    if checkpoint.read_json(os.path.join(path, 'warmstart.json')) == spec:
+        # whole tensors, sharded if need be
+        parallelism.load_whole(raw_model,
+                               lambda: GPT.from_pretrained(path, dtype=dtype).state_dict())
         _said('loaded', began, rank)
         return
     ranks, eos = cfg.world_size, cfg.eos_ids[0]
-    tick = ticker('warm start', cfg.sft_iters, 'steps', cfg.progress_interval if rank == 0 else math.inf)
+    every = cfg.progress_interval if rank == 0 else math.inf  # only rank 0 reports progress
+    tick = ticker('warm start', cfg.sft_iters, 'steps', every)
     probe = rows[rank:256:ranks]  # the same prompts at every check
     probe_seeds = [prompt_seed(cfg.seed, -3, j) for j in range(rank, len(probe) * ranks, ranks)]
     steps = cfg.sft_iters
@@ -72,7 +79,8 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, accuracy, rank):
         if cfg.sft_target_acc and i and i % cfg.sft_check_interval == 0:
             with gathered(raw_model):  # FSDP: the whole weights for the sampler
                 hits = greedy_hits(raw_model, probe, probe_seeds, cfg, enc, accuracy)[0]
-            hits, n = all_sum(torch.tensor([hits, len(probe)], dtype=torch.float64)).tolist()  # over all ranks
+            counts = torch.tensor([hits, len(probe)], dtype=torch.float64)
+            hits, n = all_sum(counts).tolist()  # over all ranks
             if hits / n >= cfg.sft_target_acc:
                 steps = i
                 break
@@ -82,7 +90,8 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, accuracy, rank):
         answers, own = zip(*[target(rows[j], cfg, enc) for j in picks])
         idx, start = pack(prompts, answers, eos)
         L = max(map(len, answers))
-        mask = torch.tensor([o + [0] * (L - len(o)) for o in own], dtype=torch.float)  # (B, L) the policy's tokens
+        # (B, L): 1 on the policy's tokens
+        mask = torch.tensor([o + [0] * (L - len(o)) for o in own], dtype=torch.float)
         with torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
             logps = model(idx.to(device), start.to(device), L)  # (B, L) through DDP's forward
         mask = mask.to(device, logps.dtype)
