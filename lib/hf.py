@@ -129,8 +129,9 @@ def _gemma3_config(hf, file):
     for key, supported in (("attn_logit_softcapping", None), ("final_logit_softcapping", None),
                            ("hidden_activation", "gelu_pytorch_tanh"), ("use_bidirectional_attention", False)):
         if hf.get(key) not in (None, supported):
-            raise ConfigError(f"{file}: {key}={hf[key]!r} is not implemented by model.py's Gemma 3 block (which "
-                              f"has {key}={supported!r}); use a Gemma 3 checkpoint with it")
+            raise ConfigError(f"{file}: {key}={hf[key]!r} is not implemented by model.py's Gemma 3 block, "
+                              f"which computes {key}={supported!r} only; use a Gemma 3 checkpoint whose "
+                              f"config.json says so")
     rope = hf.get("rope_parameters") or {}  # transformers 5: one dict per kind of layer; 4: keys on top
     full = rope.get("full_attention") or dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 1e6))
     local = rope.get("sliding_attention") or dict(rope_theta=hf.get("rope_local_base_freq", 10000.0))
@@ -144,6 +145,7 @@ def _gemma3_config(hf, file):
     if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
         raise ConfigError(f"{file}: layer_types must give each of the {n} layers 'full_attention' or "
                           f"'sliding_attention'; use the config.json that came with the weights")
+    # the fields Gemma 3 shares with the Llama family, read as Qwen3's (q/k norms, no q/k/v biases)
     fields = _llama_config(dict(hf, hidden_act="silu", layer_types=None, sliding_window=None, rope_scaling=None,
                                 rope_parameters=dict(rope_theta=full["rope_theta"]), model_type="qwen3"), file)
     return dict(fields, model_type="gemma3_text", layer_types=tuple(types), sliding_window=hf.get("sliding_window",

@@ -215,19 +215,7 @@ def write_gguf(path, model, qtype="F32", reorder=True, drop=(), metadata=None, e
                  "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
                  **special_vocab(tok, family.get("config", {}), family["ids"]), **(metadata or {})})
     writer = gguf.GGUFWriter(path, keys.pop("general.architecture", arch))
-    for key, value in keys.items():
-        if value is None:
-            continue
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
+    add_keys(writer, keys)
     for name, t in tensors.items():
         name, w = gguf_name(name), t.float().numpy()
         if name in drop:
@@ -251,6 +239,24 @@ def write_gguf(path, model, qtype="F32", reorder=True, drop=(), metadata=None, e
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def add_keys(writer, keys):
+    """Each metadata key in the GGUF type its Python value has (None: left out), as the converter
+    writes them: lists as arrays, floats as float32, ints as uint32."""
+    for key, value in keys.items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
 
 
 def write_tokenizer_gguf(path, tokens, scores, types, metadata, arch="gemma3"):
@@ -348,19 +354,7 @@ def write_gemma3_gguf(path, folder, qtype="F32", vocab=GEMMA_VOCAB, drop=(), met
                  "tokenizer.ggml.add_eos_token": meta.get("tokenizer.ggml.add_eos_token", False),
                  "tokenizer.ggml.add_space_prefix": False, **(metadata or {})})
     writer = gguf.GGUFWriter(path, arch)
-    for key, value in keys.items():
-        if value is None:
-            continue
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
+    add_keys(writer, keys)
     for hf_name, t in tensors.items():
         if hf_name.startswith("lm_head."):  # the converter skips it
             continue
