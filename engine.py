@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from sampling import check_sampling, draw_uniforms, sample
+from sampling import draw_uniforms, sample
 from lib import cuda_graphs, multiturn
 
 # model -> its static cache: off the module, so state_dict and deepcopy skip it
@@ -49,29 +49,12 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     padding), in a static cache the model keeps across calls; an observation is read into its row's
     cache in one forward of its tokens.
     """
-    lengths = [len(p) for p in prompts]
-    for i, n in enumerate(lengths):
-        if n == 0:
-            raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token "
-                             f"to condition on")
-        model.check_length(n + max_new_tokens,
-                           f"prompt {i} ({n} tokens) + max_new_tokens ({max_new_tokens})")
-    if turns is not None and eos_id is None:
-        raise ValueError("turns needs eos_id: a turn ends where a row samples one of those ids; "
-                         "pass them as eos_id")
-    if not prompts or max_new_tokens < 1 or num_samples < 1 or temperature < 0:
-        raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, "
-                         "num_samples >= 1 and temperature >= 0")
-    check_sampling(top_k, top_p)
-    was_training = model.training
-    model.eval()
     try:
         # observe None: one turn
         with multiturn.observer(turns, turn_workers) as observe, cast_once(model):
             return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p,
                              eos_id, generator, observe)
     finally:
-        model.train(was_training)
         if not model.decode_graphs:  # only the graphs need the cache where it was
             _CACHES.pop(model, None)
 

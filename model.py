@@ -22,10 +22,10 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import engine
-from sampling import sample
-from lib import gguf_file, hf, packing
+import sampling
+from sampling import check_sampling, sample
+from lib import gguf_file, head, hf, packing
 from lib.errors import ConfigError
-from lib.head import HeadLogprobs
 from lib.truncation import truncate_
 
 class RMSNorm(nn.Module):
@@ -319,16 +319,11 @@ class GPT(nn.Module):
             return near.tril() if pos.size(-1) > w else None
         return key_mask & near[:, None]  # (B, 1, T, T)
 
-    def forward(self, idx, start=None, *args, **kwargs):
-        """Logits (B, T, vocab_size) of idx (B, T); given start, logprobs(idx, start, ...) instead, so that the
-        trainer's pass goes through forward, which a DistributedDataParallel wrapper sees."""
-        if start is not None:
-            return self.logprobs(idx, start, *args, **kwargs)
-        return self.lm_head(self.hidden(idx))
-
-    def logprobs(self, idx, start, length, temperature=1.0, entropy=False, lengths=None, pos=None, plain=False,
-                 top_k=None, top_p=None):
-        """out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j], predicted from the position
+    def forward(self, idx, start=None, length=None, temperature=1.0, entropy=False, lengths=None, pos=None,
+                plain=False, top_k=None, top_p=None):
+        """Logits (B, T, vocab_size) of idx (B, T); given start, the trainer's log-probs instead (as nanoGPT's forward
+        gives the loss given targets; DDP sees the trainer's pass because it goes through forward):
+        out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j], predicted from the position
         before it, for j < length: (B, length) float32 (float64 for a float64 model). idx (B, T): prompt +
         completion + right padding per row, start (B,) each row's prompt length. lengths (B,): how many completion
         tokens count (the output layer runs on those only; out is 0 past them). pos (B, T): rows packed (see hidden),
@@ -336,6 +331,8 @@ class GPT(nn.Module):
         reference, log_softmax(logits).gather; else the same numbers in chunks (lib/head.py), so a float32
         (B, T, vocab) tensor never exists. entropy=True returns (out, H), H the entropy of each softmax, both with
         gradients. top_k, top_p: the sampler's, for log q: the softmax renormalised over the tokens they keep."""
+        if start is None:
+            return self.lm_head(self.hidden(idx))
         B, T = idx.shape
         # checked when run eagerly; a compiled graph would break at the host sync
         if pos is None and not torch.compiler.is_compiling() and (int(start.min()) < 1 or
@@ -349,20 +346,21 @@ class GPT(nn.Module):
         keep = (j < (length if lengths is None else lengths[:, None])).expand(n, -1)  # (n, length) those computed
         before = (start[:, None] + j - 1)[keep]  # (k,) flat index of the position before each target
         h, targets = h.flatten(0, 1)[before], idx.flatten()[before + 1]  # (k, C), (k,)
-        if plain:  # the reference: the (k, vocab) logits at once, their log-softmax in float32 (or float64)
+        if plain:  # the reference: all (k, vocab) logits at once, their log-softmax in float32 (or float64)
             logits = self.lm_head(h)
             z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-            logp = F.log_softmax(truncate_(z, top_k, top_p, targets), -1)
+            if top_k is not None or top_p is not None:  # log q: the softmax over the tokens the sampler keeps
+                z = truncate_(z, top_k, top_p, targets)
+            logp = F.log_softmax(z, -1)  # (k, vocab)
             out = [logp.gather(1, targets[:, None]).squeeze(1)] + ([-(logp.exp() * logp).sum(-1)] if entropy else [])
-        else:  # the same numbers in chunks of rows, each chunk's float32 logits near 256 MB; backward recomputes
-            # them when the blocks are recomputed too (gradient checkpointing: memory before time), else keeps them
-            hold = torch.is_grad_enabled() and not self.gradient_checkpointing
-            out = HeadLogprobs.apply(h, self.lm_head.weight, targets, temperature,
-                                     max(1, 2**26 // self.config.vocab_size), self.compute_dtype(), entropy, hold,
-                                     (top_k, top_p))
-            out = out if entropy else (out,)
+        else:  # the same numbers a chunk of rows at a time, so that (k, vocab) float32 logits never exist
+            out = head.logprobs(h, self.lm_head.weight, targets, temperature=temperature, entropy=entropy,
+                                dtype=self.compute_dtype(), recompute=self.gradient_checkpointing, top_k=top_k,
+                                top_p=top_p)
         out = [t.new_zeros(n, length).masked_scatter(keep, t) for t in out]  # (n, length) each
         return tuple(out) if entropy else out[0]
+
+    logprobs = forward  # the log-prob pass by its name (without the hooks a call of the module runs)
 
     def compute_dtype(self):
         """The dtype the matmuls run in: autocast's when it is on, else the weights'."""
@@ -370,17 +368,36 @@ class GPT(nn.Module):
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.lm_head.weight.dtype
 
     def generate(self, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None, top_p=None,
-                 eos_id=None, generator=None, turns=None, turn_workers=1):
+                 eos_id=None, generator=None, turns=None, turn_workers=1, plain=False):
         """Sample num_samples completions for each prompt (a list of token-id lists): (tokens, mask, logprobs), each
         (N, L), N = len(prompts) * num_samples rows in prompt-major order, L <= max_new_tokens. A row ends at its
         first eos_id (one id or several), which it keeps; logprobs are each token's under the distribution it was
-        drawn from, as logprobs() computes them; temperature=0 is greedy. turns: multi-turn observations. The loop and
-        the details are engine.py's. A method, not only engine.generate, because FSDP registers it as an entry of
-        the root (parallelism.shard): called first, before any forward, it must set up the sharded model as forward
-        does."""
-        return engine.generate(self, prompts, max_new_tokens, num_samples=num_samples, temperature=temperature,
-                               top_k=top_k, top_p=top_p, eos_id=eos_id, generator=generator, turns=turns,
-                               turn_workers=turn_workers)
+        drawn from, as logprobs() computes them; temperature=0 is greedy. turns: multi-turn observations. plain=True
+        (one turn): sampling.generate, which reads every row whole again at each step; else engine.py's loop over a
+        KV cache, the same draws. A method, not only a function, because FSDP registers it as an entry of the root
+        (parallelism.shard): called first, before any forward, it must set up the sharded model as forward does."""
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token to condition on")
+            self.check_length(len(p) + max_new_tokens, f"prompt {i} ({len(p)} tokens) + max_new_tokens "
+                              f"({max_new_tokens})")
+        if turns is not None and eos_id is None:
+            raise ValueError("turns needs eos_id: a turn ends where a row samples one of those ids; pass them as "
+                             "eos_id")
+        if not prompts or max_new_tokens < 1 or num_samples < 1 or temperature < 0:
+            raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, num_samples >= 1 and "
+                             "temperature >= 0")
+        check_sampling(top_k, top_p)
+        was_training = self.training
+        self.eval()  # no dropout while sampling
+        try:
+            args = dict(num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
+                        generator=generator)
+            if plain and turns is None:
+                return sampling.generate(self, prompts, max_new_tokens, **args)
+            return engine.generate(self, prompts, max_new_tokens, turns=turns, turn_workers=turn_workers, **args)
+        finally:
+            self.train(was_training)
 
     def decode(self, tok, pos, kv, col, key_mask, u, temperature, top_k, top_p):
         """One step of generate: feed tok (n,) at positions pos (n,) into cache columns col (n,), and sample the next

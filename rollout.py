@@ -18,7 +18,6 @@ Randomness is per prompt, not per rank: prompt j of iteration `it` is sampled fr
 (seed, it, j). So a prompt gets the same completions whichever rank, batch or resume it lands in, and a run on
 1 GPU and on 8 sees the same rollouts (up to float rounding of the logits).
 """
-import functools
 import time
 from contextlib import nullcontext
 
@@ -28,7 +27,7 @@ from loss import decoupled_advantages, entropy_threshold, group_advantages, kl_d
 from reward import compute_rewards
 from lib import multiturn, packing
 from lib.chat import encode_prompt, text_of
-from lib.lora import adapters_off, has_adapters, merged
+from lib.lora import adapters_off, merged
 from lib.measure import lap
 from lib.parallelism import gather, gathered
 
@@ -39,18 +38,15 @@ def prompt_seed(*key):
     return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-@functools.lru_cache(maxsize=2)
-def _epoch_order(n, seed, epoch):
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-
-
 def step_rows(train_rows, it, rank, cfg):
     """This rank's prompts of iteration it: a seeded reshuffle of the train set each epoch, cut across ranks.
     The position in the data is a function of the iteration, so a resume needs nothing else."""
     n, per_rank = len(train_rows), cfg.prompts_per_step // cfg.world_size
     first = it * cfg.prompts_per_step + rank * per_rank
-    return [dict(train_rows[_epoch_order(n, cfg.seed, pos // n)[pos % n]], _id=pos)
-            for pos in range(first, first + per_rank)]
+    positions = range(first, first + per_rank)
+    order = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+             for epoch in {pos // n for pos in positions}}  # the one or two epochs the rows fall in
+    return [dict(train_rows[order[pos // n][pos % n]], _id=pos) for pos in positions]
 
 
 def extra_rows(train_rows, n, it, rank, round_, cfg):
@@ -86,12 +82,14 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     temperature = cfg.temperature if temperature is None else temperature
     # LoRA: sample from the weights with the adapters merged in (no adapter matmuls in the decode steps). Not under
     # autocast: the merged weight, rounded to bf16, would lose most of a small update
-    merge = merged(model) if has_adapters(model) and not cfg.autocast else nullcontext()
-    turns, record, ends = multiturn.episodes(cfg.environment, rows, G, cfg, enc)  # None, None, eos: one turn
+    merge = merged(model) if cfg.lora_rank and not cfg.autocast else nullcontext()
+    turns, record, ends = None, None, cfg.eos_ids  # one turn, or an environment's episodes:
+    if cfg.environment:
+        turns, record, ends = multiturn.episodes(cfg.environment, rows, G, cfg, enc)
     with merge, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
         tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
                                              top_p=cfg.top_p, eos_id=ends, generator=gens, turns=turns,
-                                             turn_workers=cfg.tool_workers)
+                                             turn_workers=cfg.tool_workers, plain=cfg.plain)
     pad = C - tokens.shape[1]  # generate stops early when every row is done; the loss wants a fixed width C
     tokens = torch.nn.functional.pad(tokens, (0, pad), value=cfg.eos_ids[0])
     mask = torch.nn.functional.pad(mask, (0, pad), value=False)
@@ -148,7 +146,7 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]] for f in reward_fns],
                               dtype=torch.float64).T
         per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated, scores=scores,
-                       **multiturn.counts(record))
+                       **(multiturn.counts(record) if record else {}))
         groups = [dict(prompt=prompts[g], **{k: v[g * G:(g + 1) * G] for k, v in per_row.items()})
                   for g in range(len(rows))]  # a group = one prompt and its G completions, kept or dropped whole
         if not cfg.dynamic_sampling:
@@ -235,13 +233,9 @@ def rollout_metrics(info, G, reward_fns, accuracy, device):
     for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # absent when there are none
         if rows.any():
             m[key] = lengths[rows].mean().item()
-    return dict(m, **multiturn.metrics(info, lambda x: gather(x.to(device))))
-
-
-def truncation(cfg):
-    """model.logprobs' top_k and top_p: the sampler's (log q, of the distribution that sampled)
-    unless truncate_logprobs=False asks for the full softmax's log-probs."""
-    return dict(top_k=cfg.top_k, top_p=cfg.top_p) if cfg.truncate_logprobs else {}
+    if 'calls' in info:  # a multi-turn run's episodes
+        m.update(multiturn.metrics(info, lambda x: gather(x.to(device))))
+    return m
 
 
 def micro_batches(batch, size, plain=False):
@@ -272,7 +266,7 @@ def logprobs(model, batch, cfg, entropy=False):
         with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
             got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], temperature=cfg.temperature,
                                  entropy=entropy, lengths=last_counted(mb['mask']), pos=mb['pos'],
-                                 plain=cfg.plain, **truncation(cfg))  # (b, L), 0 past the last that counts
+                                 plain=cfg.plain, **cfg.truncation)  # (b, L), 0 past the last that counts
         for o, x in zip(out, got if entropy else (got,)):
             o[rows, :x.shape[1]] = x.to(o.dtype)
     return tuple(out) if entropy else out[0]

@@ -1,7 +1,7 @@
 """
 Sampling: one token per row of logits, drawn exactly from the temperature softmax restricted by
-top-k/top-p, with the log-prob the trainer computes for it. model.py's generate and decode call it
-at every step.
+top-k/top-p, with the log-prob the trainer computes for it, at every step of generate below (the
+plain sampler) and of engine.py's.
 """
 import math
 
@@ -84,32 +84,35 @@ def _search(cdf, u):
 
 
 @torch.no_grad()
-def reference_generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0,
-                       top_k=None, top_p=None, generator=None, return_logits=False):
-    """The plain sampler that engine.py's generate is tested against: no cache, every step runs each
-    row's whole sequence through the model again and draws its next token from the last position's
-    logits. The draws are generate's (the same uniforms from the same generator, the same sample()),
-    so its tokens are bitwise comparable. Every row runs max_new_tokens steps: there is no eos.
-    Returns (tokens, logprobs), each (N, max_new_tokens), and with return_logits the list of each
-    step's logits (N, vocab_size) too."""
+def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None,
+             top_p=None, eos_id=None, generator=None):
+    """The plain sampler, GPT.generate(plain=True)'s and the reference engine.py is tested against:
+    no cache, each step runs every row's whole sequence through the model again (right-padded:
+    causal attention never looks at the padding) and draws each row's next token from the logits at
+    its newest one. It returns what engine.generate does, (tokens, mask, logprobs) each (N, L), with
+    the same draws (the same uniforms from the same generator, the same sample()), so its tokens
+    are bitwise comparable."""
     device = model.lm_head.weight.device
     uniforms = draw_uniforms(generator, max_new_tokens, len(prompts), num_samples, device)
-    rows = [p for p in prompts for _ in range(num_samples)]
-    # rows of the same length go through the model together, one batch each length
-    groups = {}
+    rows = [p for p in prompts for _ in range(num_samples)]  # (N,) prompt-major
+    eos = torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id or ())),
+                       dtype=torch.long, device=device)
+    fill = int(eos[0]) if len(eos) else 0  # what a row holds after its end
+    idx = torch.full((len(rows), max(map(len, rows)) + max_new_tokens), fill, device=device)
     for i, row in enumerate(rows):
-        groups.setdefault(len(row), []).append(i)
-    sequences = [torch.tensor([rows[i] for i in group], device=device) for group in groups.values()]
-    # row of each group row
-    order = torch.tensor([i for group in groups.values() for i in group], device=device)
-    tokens, logps, seen = [], [], []
+        idx[i, :len(row)] = torch.tensor(row)
+    newest = torch.tensor([len(row) - 1 for row in rows], device=device)  # (N,)
+    done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+    tokens, mask, logps = [], [], []
     for step in range(max_new_tokens):
-        # (N, vocab_size)
-        grouped = torch.cat([model.lm_head(model.hidden(seq)[:, -1]) for seq in sequences])
-        logits = torch.empty_like(grouped).index_copy_(0, order, grouped)  # back in row order
+        h = model.hidden(idx[:, :int(newest.max()) + 1])  # (N, T, C)
+        logits = model.lm_head(h[torch.arange(len(rows)), newest])  # (N, vocab_size)
         tok, logp = sample(logits, temperature, top_k, top_p, uniforms[step])
-        new = tok[order].split([len(seq) for seq in sequences])
-        sequences = [torch.cat([seq, t[:, None]], 1) for seq, t in zip(sequences, new)]
-        tokens.append(tok), logps.append(logp), seen.append(logits)
-    tokens, logps = torch.stack(tokens, 1), torch.stack(logps, 1)
-    return (tokens, logps, seen) if return_logits else (tokens, logps)
+        tokens.append(tok.masked_fill(done, fill)), logps.append(logp.masked_fill(done, 0.0))
+        mask.append(~done)
+        newest = newest + 1
+        idx[torch.arange(len(rows)), newest] = tokens[-1]
+        done = done | torch.isin(tok, eos)  # a row keeps its eos, and ends there
+        if done.all():
+            break
+    return torch.stack(tokens, 1), torch.stack(mask, 1), torch.stack(logps, 1)

@@ -24,7 +24,7 @@ from evaluate import evaluate, report, with_accuracy
 from loss import MAX_STATS, grpo_loss
 from model import GPT, GPTConfig
 from rollout import (last_counted, micro_batches, prompt_seed, rollout, rollout_metrics,
-                     top_entropy_mask, truncation)
+                     top_entropy_mask)
 import sft
 from lib import chat, checkpoint, lora, multiturn, parallelism
 from lib.errors import need_package
@@ -140,7 +140,8 @@ if dtype == 'auto':  # rank 0 measures, so that every rank computes in the same 
 autocast = dtype in ('bfloat16', 'float16')
 cfg = SimpleNamespace(**dict(config, device=device, template=template), world_size=world_size,
                       autocast=autocast, ptdtype=getattr(torch, dtype),
-                      on_policy=num_iterations == 1 and steps_per_generation == 1)
+                      on_policy=num_iterations == 1 and steps_per_generation == 1,
+                      truncation=dict(top_k=top_k, top_p=top_p) if truncate_logprobs else {})
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 
 # data and rewards: everything that can be wrong with them fails here, before any work
@@ -195,7 +196,7 @@ def forward_backward(mb, num_sequences, num_tokens):
         need = last_counted(mb['mask'])  # (b,): the output layer stops at the last token counted
         logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1],
                                temperature=temperature, entropy=True, lengths=need, pos=mb['pos'],
-                               plain=plain, **truncation(cfg))
+                               plain=plain, **cfg.truncation)
     old, advantages, sampler = (mb[k].to(logps.dtype) for k in ('old_logps', 'advantages',
                                                                 'sampler_logps'))
     loss, stats = grpo_loss(logps, None if cfg.on_policy else old, mb.get('ref_logps'), advantages,

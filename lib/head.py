@@ -18,6 +18,15 @@ def _cast(x, dtype, rows):
     """x (n, V) in dtype, copied into a scratch buffer if it is not in dtype already."""
     return x if x.dtype == dtype else _like(x, rows, dtype).copy_(x)
 
+def logprobs(h, weight, targets, *, temperature, entropy, dtype, recompute, top_k, top_p):
+    """GPT.logprobs' output layer: [out] or [out, H] (entropy=True) for h (k, C), through HeadLogprobs in chunks of
+    rows whose float32 logits take about 256 MB, the matmuls in dtype. Backward keeps each chunk's logits unless
+    recompute (gradient checkpointing: memory before time) or no gradient is wanted."""
+    hold = torch.is_grad_enabled() and not recompute
+    out = HeadLogprobs.apply(h, weight, targets, temperature, max(1, 2**26 // len(weight)), dtype, entropy, hold,
+                             (top_k, top_p))
+    return list(out) if entropy else [out]
+
 class HeadLogprobs(torch.autograd.Function):
     """out[i] = log softmax(h[i] @ weight.T / temperature)[targets[i]] for h (n, C): the output layer and its
     log-softmax, rows chunks of rows at a time, the matmuls in dtype, the softmax in float32. Backward takes each

@@ -1,6 +1,6 @@
 """
 Tests for model.py against independent references: Hugging Face's own logits for a fixture checkpoint, a no-cache
-full-recompute decoder (sampling.reference_generate), brute-force log-softmax loops, and chi-square tests of the sampler.
+full-recompute decoder (sampling.generate), brute-force log-softmax loops, and chi-square tests of the sampler.
 """
 
 import copy
@@ -21,7 +21,7 @@ from configurator import ConfigError
 from lib.cpu_buffers import _buffers
 from lib.head import HeadLogprobs
 from model import GPT, GPTConfig
-from sampling import reference_generate, sample
+from sampling import generate as reference_generate, sample
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gpt2-a")
 PROMPTS = [[5, 17, 200], [1, 2, 3, 4, 5, 6, 7], [42], [250, 9, 9, 100, 31]]  # ragged on purpose
@@ -67,10 +67,11 @@ def test_cached_equals_uncached(tiny, temperature):
     tokens, mask, logps = tiny.generate(PROMPTS, steps, num_samples=G, temperature=temperature,
                                         generator=torch.Generator().manual_seed(1))
     handle.remove()
-    ref_tokens, ref_logps, ref_logits = reference_generate(
-        tiny, PROMPTS, steps, num_samples=G, temperature=temperature, generator=torch.Generator().manual_seed(1),
-        return_logits=True)
-    assert torch.equal(tokens, ref_tokens) and mask.all()
+    ref_logits, handle = record_logits(tiny)
+    ref_tokens, ref_mask, ref_logps = tiny.generate(PROMPTS, steps, num_samples=G, temperature=temperature,
+                                                    generator=torch.Generator().manual_seed(1), plain=True)
+    handle.remove()
+    assert torch.equal(tokens, ref_tokens) and mask.all() and ref_mask.all()
     torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=0)
     # the prefill logits (a row a prompt, the output layer once for all), then one (N, V) per decode step
     torch.testing.assert_close(seen[0].repeat_interleave(G, 0), ref_logits[0], atol=1e-5, rtol=0)
@@ -78,7 +79,7 @@ def test_cached_equals_uncached(tiny, temperature):
 
 def test_eos_ends_rows_and_compacts_batch(tiny):
     prompts, steps = [[p, (7 * p) % 257] for p in range(0, 257, 16)], 24  # 17 prompts
-    ref_tokens, _ = reference_generate(tiny, prompts, steps, temperature=0)
+    ref_tokens, _, _ = reference_generate(tiny, prompts, steps, temperature=0)
     # the token most often seen early in the reference continuations, so that many rows end early
     eos = int(ref_tokens[:, :6].flatten().mode().values)
     seen, handle = record_logits(tiny)

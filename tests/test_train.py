@@ -311,7 +311,7 @@ def test_micro_batches_pack_rows_and_change_nothing_but_the_work(case, family):
     for a, p in zip(grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-10, atol=1e-12)
     cfg = SimpleNamespace(micro_batch_size=size, dtype='float64', ptdtype=torch.float64, autocast=False,
-                          temperature=0.7, plain=False, top_k=None, top_p=None, truncate_logprobs=True)
+                          temperature=0.7, plain=False, truncation={})
     with torch.no_grad():
         whole = model.logprobs(batch['idx'], start, C, 0.7)  # (B, C) in one pass, padded to the longest row
     torch.testing.assert_close(logprobs(model, batch, cfg)[mask], whole[mask], rtol=1e-12, atol=1e-12)
