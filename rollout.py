@@ -196,9 +196,9 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         kl = kl_divergence(batch['old_logps'], batch['ref_logps'], cfg.kl_estimator)  # (B, C)
         shaped -= cfg.beta * (kl * batch['mask']).sum(1).double().cpu()
     if cfg.multi_objective_aggregation == 'normalize_then_sum':  # GDPO: each reward function on its own first
-        advantages = decoupled_advantages(gather(scores.to(device)).cpu(), reward_weights, G)
+        advantages = decoupled_advantages(all_ranks(scores, cfg), reward_weights, G)
     else:
-        advantages = group_advantages(gather(shaped.to(device)).cpu(), G, cfg.scale_rewards, cfg.advantage_estimator)
+        advantages = group_advantages(all_ranks(shaped, cfg), G, cfg.scale_rewards, cfg.advantage_estimator)
     B = len(shaped)
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
     lap(times, 'comm', t, device)  # gathering the rewards dominates this part
@@ -207,7 +207,13 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     return batch, info
 
 
-def rollout_metrics(info, G, reward_fns, accuracy, device):
+def all_ranks(x, cfg):
+    """x, this rank's rows, and every other rank's after them, in rank order (on the CPU): x itself on one
+    process."""
+    return gather(x.to(cfg.device)).cpu() if cfg.world_size > 1 else x.cpu()
+
+
+def rollout_metrics(info, cfg, reward_fns, accuracy):
     """
     What the log says of a rollout, over all ranks: the rewards (mean, std, each function's mean and
     spread within a group), the accuracy (the share that `accuracy`, one of reward_fns, scores
@@ -215,7 +221,8 @@ def rollout_metrics(info, G, reward_fns, accuracy, device):
     their correlation with the reward: a length bias), the truncated share and the sampler's
     tokens/s.
     """
-    rewards, scores, lengths, truncated = (gather(info[k].to(device, torch.float64)).cpu()
+    G = cfg.num_generations
+    rewards, scores, lengths, truncated = (all_ranks(info[k].double(), cfg)
                                            for k in ('rewards', 'scores', 'lengths', 'truncated'))
     correct = scores[:, reward_fns.index(accuracy)].nan_to_num() >= 1
     m = dict(reward=rewards.nanmean().item(), reward_std=rewards.std().item(), acc=correct.double().mean().item(),
@@ -234,7 +241,7 @@ def rollout_metrics(info, G, reward_fns, accuracy, device):
         if rows.any():
             m[key] = lengths[rows].mean().item()
     if 'calls' in info:  # a multi-turn run's episodes
-        m.update(multiturn.metrics(info, lambda x: gather(x.to(device))))
+        m.update(multiturn.metrics(info, lambda x: all_ranks(x, cfg)))
     return m
 
 
@@ -252,7 +259,8 @@ def micro_batches(batch, size, plain=False):
         L = max(int(need[rows].max()), 1)
         mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k != 'idx'}
         T = int(mb['start'].max()) + L  # the longest prompt + completion of the micro-batch
-        yield rows, dict(mb, idx=batch['idx'][rows, :T], pos=None, tokens=int((mb['start'] + need[rows]).sum()))
+        tokens = int((mb['start'] + need[rows]).sum())  # not padding: each row's own, as it has its own sequence
+        yield rows, dict(mb, idx=batch['idx'][rows, :T], pos=None, tokens=tokens, row_tokens=tokens)
 
 
 @torch.inference_mode()

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -28,8 +29,8 @@ from rollout import (last_counted, micro_batches, prompt_seed, rollout, rollout_
 import sft
 from lib import chat, checkpoint, lora, multiturn, parallelism
 from lib.errors import need_package
-from lib.measure import (add_stats, fastest_dtype, iteration_line, iteration_metrics, log,
-                         matmul_peak, memory_mb, phase, step_stats, work_done)
+from lib.measure import (add_stats, add_work, fastest_dtype, iteration_line, iteration_metrics,
+                         lap, log, matmul_peak, memory_mb, resident_mb, update_stats)
 from lib.parallelism import all_sum, full, gathered
 from lib.tokenizer import get_tokenizer
 
@@ -189,70 +190,6 @@ def get_lr(step):
     return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * (1 + math.cos(math.pi * ratio)) / 2)
 
 
-def forward_backward(mb, num_sequences, num_tokens):
-    """One micro-batch (rollout.micro_batches): its log-probs and entropies, grpo_loss, backward.
-    Returns the loss's stats and what ran: tokens in its sequences, those not padding, FLOPs."""
-    with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
-        need = last_counted(mb['mask'])  # (b,): the output layer stops at the last token counted
-        logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1],
-                               temperature=temperature, entropy=True, lengths=need, pos=mb['pos'],
-                               plain=plain, **cfg.truncation)
-    old, advantages, sampler = (mb[k].to(logps.dtype) for k in ('old_logps', 'advantages',
-                                                                'sampler_logps'))
-    loss, stats = grpo_loss(logps, None if cfg.on_policy else old, mb.get('ref_logps'), advantages,
-        mb['mask'], num_sequences=num_sequences, num_tokens=num_tokens, sampler_logps=sampler,
-        entropy=entropy, entropy_mask=mb.get('entropy_mask'), surrogate=surrogate, delta=delta,
-        importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_pos=vespo_lambda_pos, vespo_lambda_neg=vespo_lambda_neg,
-        off_policy_mask_threshold=off_policy_mask_threshold, sampler_correction=sampler_correction,
-        sampler_correction_clip_min=sampler_correction_clip_min, entropy_coef=entropy_coef,
-        sampler_correction_clip_max=sampler_correction_clip_max, kl_estimator=kl_estimator,
-        beta=0.0 if kl_in_reward else beta, use_bias_correction_kl=use_bias_correction_kl,
-        loss_type=loss_type, max_completion_length=max_completion_length)
-    (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss wants the sum
-    (b, T), n = mb['idx'].shape, int(need.sum())
-    return stats, dict(tokens=b * T, placed=mb['tokens'], flops=raw_model.update_flops(b, T, n / b))
-
-
-def policy_update(batch, times, step):
-    """mu passes of steps_per_generation optimizer steps over this rank's rollout batch, from the
-    run's `step`. Returns the stats over every rank and the steps so far; adds to times' phases."""
-    rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
-    sums, bad, ran = {}, 0, dict(tokens=0.0, placed=0.0, own=0.0, flops=0.0)  # ran: see work_done
-    for _ in range(num_iterations):
-        for s in range(steps_per_generation):
-            part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
-            with phase(times, 'comm', device):
-                num_tokens = all_sum(part['mask'].sum().float())  # the step's, on every rank
-                if top_entropy_quantile < 1:
-                    part['entropy_mask'] = top_entropy_mask(raw_model, part, cfg)
-            ran['own'] += (part['start'] + last_counted(part['mask'])).sum().item()  # each row's
-            with phase(times, 'backward', device):  # DDP's all-reduce overlaps the last backward
-                for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size, plain)):
-                    # the gradients are reduced over ranks on the last micro-batch only
-                    parallelism.set_grad_sync(model, m == rows // micro_batch_size - 1)
-                    stats, counts = forward_backward(mb, rows * world_size, num_tokens)
-                    ran.update({k: ran[k] + v for k, v in counts.items()})
-                    add_stats(sums, stats, MAX_STATS)  # shares of the step's means add up
-            with phase(times, 'optimizer', device):  # full(): FSDP's norm is a DTensor
-                norm = full(clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf))
-                # the ranks share one gradient, but a NaN on one must stop them all
-                finite = all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() == 0
-                if finite:
-                    for group in optimizer.param_groups:
-                        group['lr'] = get_lr(step)
-                    optimizer.step()
-                    step += 1
-                bad += not finite
-                optimizer.zero_grad(set_to_none=True)
-    # each step's token means, averaged over the steps, and the maxima over all of them
-    stats = step_stats(sums, MAX_STATS, num_iterations * steps_per_generation)
-    return dict(stats, grad_norm=norm.item(), lr=get_lr(max(step - 1, 0)), **work_done(ran),
-                bad_steps=bad), step
-
-
 def save(it):
     """Checkpoint the state before iteration it, never right after a skipped step; returns it."""
     parallelism.check_replicas(raw_model, it)
@@ -265,7 +202,7 @@ def save(it):
 def stop_if_signalled(it):
     """At an iteration boundary: if any rank got a signal, all save the state before iteration `it`,
     print how to resume and exit with 128 + its number (resume redoes a dropped rollout exactly)."""
-    sig = checkpoint.stop_requested()
+    sig = checkpoint.stop_requested() if distributed else checkpoint.asked['signal']  # a vote over ranks
     if sig:
         if bad_in_row == 0 and it != saved_it:
             save(it)
@@ -325,22 +262,79 @@ for it in range(iter_start, max_iters + 1):
         parallelism.blend(ref_model, raw_model, ref_model_mixup_alpha)  # ref moves to the policy
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout follows the iteration: resume is exact
     t0 = time.perf_counter()
-    with gathered(raw_model, ref_model):  # FSDP: gathered once for generate and log-prob passes
+    with gathered(raw_model, ref_model) if fsdp else nullcontext():  # FSDP: gathered once for the rollout
         # sample G completions per prompt, score them, and their group advantages
         batch, info = rollout(raw_model, ref_model, train_rows=train_rows, it=it, rank=rank,
             cfg=cfg, enc=enc, reward_fns=reward_fns, reward_weights=reward_weights)
     mem_rollout, t1 = memory_mb(device), time.perf_counter()
     stop_if_signalled(it)  # the rollout is the long part; resume redoes it exactly
-    stats, step = policy_update(batch, times=info['time'], step=step)  # its seconds added to info's
-    bad_in_row = bad_in_row + stats['bad_steps'] if stats['bad_steps'] else 0
+    # the update: num_iterations (mu) passes over the batch, steps_per_generation optimizer steps each
+    times, sums, work, bad, t = info['time'], {}, dict(tokens=0, placed=0, own=0, flops=0), 0, t1
+    rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
+    for _ in range(num_iterations):
+        for s in range(steps_per_generation):
+            part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
+            num_tokens = part['mask'].sum().float()  # the loss's normaliser: the step's tokens
+            if distributed:
+                num_tokens = all_sum(num_tokens)  # on every rank
+            if top_entropy_quantile < 1:
+                part['entropy_mask'] = top_entropy_mask(raw_model, part, cfg)
+            t = lap(times, 'comm', t, device)
+            for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size, plain)):
+                if distributed:  # the gradients are reduced over ranks on the last micro-batch only
+                    parallelism.set_grad_sync(model, m == rows // micro_batch_size - 1)
+                need = last_counted(mb['mask'])  # (b,): the output layer stops at the last counted token
+                with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
+                    logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1],
+                        temperature=temperature, entropy=True, lengths=need, pos=mb['pos'],
+                        plain=plain, **cfg.truncation)
+                old, advantages, sampler = (mb[k].to(logps.dtype)
+                                            for k in ('old_logps', 'advantages', 'sampler_logps'))
+                loss, stats = grpo_loss(logps, None if cfg.on_policy else old, mb.get('ref_logps'),
+                    advantages, mb['mask'], num_sequences=rows * world_size, num_tokens=num_tokens,
+                    sampler_logps=sampler, entropy=entropy, entropy_mask=mb.get('entropy_mask'),
+                    surrogate=surrogate, delta=delta, epsilon_low=epsilon_low,
+                    importance_sampling_level=importance_sampling_level, epsilon_high=epsilon_high,
+                    sapo_temperature_pos=sapo_temperature_pos, vespo_k_pos=vespo_k_pos,
+                    sapo_temperature_neg=sapo_temperature_neg, vespo_k_neg=vespo_k_neg,
+                    vespo_lambda_pos=vespo_lambda_pos, vespo_lambda_neg=vespo_lambda_neg,
+                    off_policy_mask_threshold=off_policy_mask_threshold, entropy_coef=entropy_coef,
+                    sampler_correction=sampler_correction, kl_estimator=kl_estimator,
+                    sampler_correction_clip_min=sampler_correction_clip_min,
+                    sampler_correction_clip_max=sampler_correction_clip_max,
+                    beta=0.0 if kl_in_reward else beta, use_bias_correction_kl=use_bias_correction_kl,
+                    loss_type=loss_type, max_completion_length=max_completion_length)
+                (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss wants the sum
+                add_stats(sums, stats, MAX_STATS)  # shares of the step's means add up
+                add_work(work, mb, need, raw_model)  # FLOPs and padding, for the log
+            t = lap(times, 'backward', t, device)  # DDP's all-reduce overlaps the last backward
+            norm = clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
+            if distributed:  # the ranks share one gradient, but a NaN on one must stop them all
+                norm = full(norm)  # FSDP's norm is a DTensor
+                finite = all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() == 0
+            else:
+                finite = torch.isfinite(norm).item()
+            if finite:
+                for group in optimizer.param_groups:
+                    group['lr'] = get_lr(step)
+                optimizer.step()
+                step += 1
+            bad += not finite
+            optimizer.zero_grad(set_to_none=True)
+            t = lap(times, 'optimizer', t, device)
+    bad_in_row = bad_in_row + bad if bad else 0
     if bad_in_row >= max_bad_steps:
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or "
             f"gradient (iteration {it}); the last good checkpoint in {out_dir} is intact. Lower "
             f"learning_rate or check the rewards, then resume with init_from='resume'")
-    m = iteration_metrics(it, rollout_metrics(info, num_generations, reward_fns, accuracy, device),
-                          stats, times=info['time'], clock=(t0, t1, time.perf_counter()), peak=peak,
+    # each step's token means, averaged over the steps, the maxima over all of them, and the work
+    stats = update_stats(sums, work, maxima=MAX_STATS, steps=num_iterations * steps_per_generation,
+                         distributed=distributed)
+    m = iteration_metrics(it, rollout_metrics(info, cfg, reward_fns, accuracy),
+                          dict(stats, grad_norm=norm.item(), lr=get_lr(max(step - 1, 0)), bad_steps=bad),
+                          times=times, clock=(t0, t1, time.perf_counter()), peak=peak,
                           world_size=world_size, mem_mb=max(mem_rollout, memory_mb(device)),
-                          **parallelism.resident_mb(raw_model, optimizer, ref_model))
+                          **resident_mb(raw_model, optimizer, ref_model))
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evals included
     if master:
         line = iteration_line(m, max_iters=max_iters, eta=eta, reward_fns=reward_fns)

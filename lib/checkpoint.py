@@ -215,14 +215,14 @@ def load_optimizer(path, optimizer, rank=None):
 # iteration boundary; a second signal exits at once, leaving the last checkpoint as it is (the writes above are
 # atomic). A repeat within a second is the same request delivered twice: the terminal sends Ctrl-C to every process
 # and torchrun forwards what it gets to its workers.
-_asked = dict(signal=0, time=0.0)
+asked = dict(signal=0, time=0.0)
 
 
 def _on_signal(signum, frame):
-    if _asked['signal'] and time.time() - _asked['time'] > 1.0:
+    if asked['signal'] and time.time() - asked['time'] > 1.0:
         os._exit(128 + signum)
-    if not _asked['signal']:
-        _asked.update(signal=signum, time=time.time())
+    if not asked['signal']:
+        asked.update(signal=signum, time=time.time())
 
 
 def catch_stop_signals():
@@ -233,7 +233,7 @@ def catch_stop_signals():
 def stop_requested():
     """The signal any rank got since catch_stop_signals (0: none), the same on every rank: every rank must call it
     at the same point."""
-    sig = torch.tensor(_asked['signal'])
+    sig = torch.tensor(asked['signal'])
     if dist.is_initialized():
         dist.all_reduce(sig, op=dist.ReduceOp.MAX)
     return sig.item()

@@ -43,16 +43,6 @@ def timed(fn, device, repeat, warmup=1):
     return timed_rounds([fn], device, repeat, warmup)[0]
 
 
-@contextmanager
-def phase(times, key, device):
-    """Add the wall time of the block (the device's queued work included) to times[key]."""
-    sync(device)
-    t = time.perf_counter()
-    yield
-    sync(device)
-    times[key] = times.get(key, 0.0) + time.perf_counter() - t
-
-
 def lap(times, key, since, device):
     """Add the wall time since `since` to times[key] (after the device's queued work), and return now, the start
     of the next phase."""
@@ -103,22 +93,42 @@ def add_stats(total, stats, maxima):
         total[k] = v if k not in total else total[k].maximum(v) if k in maxima else total[k] + v
 
 
-def step_stats(total, maxima, steps):
-    """The update's stats to log from total (add_stats' over `steps` optimizer steps on this rank), as floats:
-    the sums over ranks divided by steps (each step's token mean, averaged over the steps) and the maxima the
-    largest on any rank. Numbers of the steps, the same whatever their layout; every rank must call it."""
+def add_work(work, mb, need, model):
+    """Add what a micro-batch of the update ran to work: its model FLOPs, the tokens in its sequences (b, T), those
+    placed (not padding), and the rows' own tokens (a prompt shared by rows counted for each); need (b,) each row's
+    completion tokens up to its last counted one, which the output layer runs on."""
+    (b, T), n = mb['idx'].shape, int(need.sum())
+    ran = dict(flops=model.update_flops(b, T, n / b), tokens=b * T, placed=mb['tokens'], own=mb['row_tokens'])
+    for k, v in ran.items():
+        work[k] += v
+
+
+def update_stats(total, work, *, maxima, steps, distributed):
+    """The update's stats to log, over every rank (each must call it), as floats: total's (add_stats' over `steps`
+    optimizer steps), its sums divided by steps (each step's token mean, averaged over the steps) and those named
+    in maxima the largest; then work's (add_work's) FLOPs and tokens, the padding's share of those and the share
+    of the rows' own tokens that sharing a prompt saved. Numbers of the steps, the same whatever their layout."""
     values = torch.stack(list(total.values()))
-    means, largest = all_sum(values) / steps, gather(values[None]).amax(0)
-    return {k: (largest if k in maxima else means)[i].item() for i, k in enumerate(total)}
+    done = torch.tensor(list(work.values()), dtype=torch.float64)
+    largest = values
+    if distributed:
+        values, largest, done = all_sum(values), gather(values[None]).amax(0), all_sum(done)
+    stats = {k: (largest[i] if k in maxima else values[i] / steps).item() for i, k in enumerate(total)}
+    work = dict(zip(work, done.tolist()))
+    return dict(stats, flops=work['flops'], train_tokens=work['tokens'], pad_share=1 - work['placed'] / work['tokens'],
+                saved_share=1 - work['placed'] / work['own'])
 
 
-def work_done(ran):
-    """What the update ran, summed over ranks: its model FLOPs and the tokens in its sequences, the
-    padding's share of those, and the share of the rows' own tokens (a prompt shared by rows counted
-    for each) that sharing a prompt saved. ran: this rank's tokens, placed (not padding), own, flops."""
-    ran = dict(zip(ran, all_sum(torch.tensor(list(ran.values()), dtype=torch.float64)).tolist()))
-    return dict(flops=ran['flops'], train_tokens=ran['tokens'], pad_share=1 - ran['placed'] / ran['tokens'],
-                saved_share=1 - ran['placed'] / ran['own'])
+def resident_mb(model, optimizer, ref_model=None):
+    """What this rank holds for training, in MB: its parameters (under FSDP its shards), their gradients (trainable
+    ones only: LoRA's base has none), AdamW's moments, and a separate reference model's parameters."""
+    local = lambda t: t.to_local() if hasattr(t, 'to_local') else t  # an FSDP shard's own part
+    size = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts) / 2**20
+    params = list(model.parameters())  # a tied weight once
+    ref = size(ref_model.parameters()) if ref_model is not None and ref_model is not model else 0.0
+    return {'mem/params_mb': size(params), 'mem/grads_mb': size(p for p in params if p.requires_grad),
+            'mem/optimizer_mb': size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+            'mem/ref_mb': ref}
 
 
 def fastest_dtype(device):

@@ -18,10 +18,10 @@ def micro_batches(batch, size, need):
     prompt is in it already), and the sequences, sorted by length, are cut into the micro-batches, each to its
     longest. A micro-batch holds idx (S, T) the packed tokens, pos (S, T) each token's position in its row (0 where
     a prompt begins), start (n,) where each of its n rows' completion begins, as a flat index into idx, tokens (how
-    many of idx's are not padding), and the batch's other tensors for those rows (`rows`, indices into batch), the
-    (B, C) ones cut to their longest completion. The loss's step-wide normalisers make the update the same however
-    rows are grouped (bnpo, a mean per micro-batch, aside). need (B,): each row's completion tokens up to the last
-    that counts."""
+    many of idx's are not padding), row_tokens (the rows' prompts and completions, a prompt once a row), and the
+    batch's other tensors for those rows (`rows`, indices into batch), the (B, C) ones cut to their longest
+    completion. The loss's step-wide normalisers make the update the same however rows are grouped (bnpo, a mean
+    per micro-batch, aside). need (B,): each row's completion tokens up to the last that counts."""
     start, n, dev = batch['start'].tolist(), need.tolist(), need.device
     ids = {}  # one number per prompt: rows whose prompts are the same tokens share them
     prompt = [ids.setdefault(tuple(p[:s]), len(ids)) for p, s in zip(batch['idx'][:, :max(start)].tolist(), start)]
@@ -64,7 +64,8 @@ def micro_batches(batch, size, need):
         rows = r[own]
         L = max(int(need[rows].max()), 1)
         mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k not in ('idx', 'start')}
-        yield rows, dict(mb, idx=idx.view(-1, T), pos=pos.view(-1, T), start=begin[own] + 1, tokens=len(at))
+        yield rows, dict(mb, idx=idx.view(-1, T), pos=pos.view(-1, T), start=begin[own] + 1, tokens=len(at),
+                         row_tokens=int((batch['start'][rows] + need[rows]).sum()))
 
 
 def attention_mask(pos):

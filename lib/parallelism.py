@@ -175,17 +175,6 @@ def to_params(state, optimizer):
     return state
 
 
-def resident_mb(model, optimizer, ref_model=None):
-    """What this rank holds for training, in MB: its parameters (under FSDP its shards), their gradients (trainable
-    ones only: LoRA's base has none), AdamW's moments, and a separate reference model's parameters."""
-    size = lambda ts: sum(_local(t).numel() * _local(t).element_size() for t in ts) / 2**20
-    params = list(model.parameters())  # a tied weight once
-    ref = size(ref_model.parameters()) if ref_model is not None and ref_model is not model else 0.0
-    return {'mem/params_mb': size(params), 'mem/grads_mb': size(p for p in params if p.requires_grad),
-            'mem/optimizer_mb': size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
-            'mem/ref_mb': ref}
-
-
 def init(device):
     """Under torchrun (RANK set), join the process group, gloo on the CPU, nccl for CUDA tensors (with gloo for the
     small CPU ones), and take this rank's GPU. Returns (distributed, rank, world_size, device), device 'auto' made
