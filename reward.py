@@ -1,16 +1,17 @@
 """
-Reward functions for RL on verifiable tasks, the code that calls and checks them, and the pass@k estimator.
+Reward functions for RL on verifiable tasks, the code that calls and checks them, and pass@k.
 
 A reward function is a plain callable
 
     fn(prompts, completions, **columns) -> list of float or None
 
-with one value per completion; None means "this function does not apply here" (e.g. a numeric verifier on a row
-whose answer is not a number). `prompts` and `completions` are aligned lists of strings; `columns` holds every
-dataset column as a list aligned with them (e.g. `answer`) plus what the rollout knows: `completion_ids` (the
-sampled tokens, no padding, the eos included if it was sampled), `max_completion_length` (one int for the whole
-batch) and `truncated` (hit the length limit without an eos). Take the columns you need by name and swallow the
-rest with **kwargs. To add a reward, write such a function and add it to REWARD_FNS below.
+with one value per completion; None means "this function does not apply here" (e.g. a numeric
+verifier on a row whose answer is not a number). `prompts` and `completions` are aligned lists of
+strings; `columns` holds every dataset column as a list aligned with them (e.g. `answer`) plus what
+the rollout knows: `completion_ids` (the sampled tokens, no padding, the eos included if it was
+sampled), `max_completion_length` (one int for the whole batch) and `truncated` (hit the length
+limit without an eos). Take the columns you need by name and swallow the rest with **kwargs. To add
+a reward, write such a function and add it to REWARD_FNS below.
 """
 import math
 import numbers
@@ -20,10 +21,11 @@ from fractions import Fraction
 from lib.errors import ConfigError, import_named
 
 # names the rollout passes to reward functions itself, so a dataset column may not use them
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_completion_length", "truncated", "observations")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_completion_length",
+                    "truncated", "observations")
 
-# 42, -3.5, 1,234.5; a trailing '.' ends a sentence, it is not a decimal, and a '-' after a digit or ')' is a
-# subtraction, not a sign: '10-7' ends on 7
+# 42, -3.5, 1,234.5; a trailing '.' ends a sentence, it is not a decimal, and a '-' after a digit
+# or ')' is a subtraction, not a sign: '10-7' ends on 7
 NUMBER = re.compile(r"(?:(?<![\d)])-)?[\d,]*\.?\d+")
 
 def to_number(text):
@@ -35,8 +37,8 @@ def to_number(text):
 # reading the final answer out of a completion
 
 def last_boxed(text):
-    r"""What the last '\boxed{' in `text` holds up to its matching brace ('\boxed{\frac{3}{4}}' -> '\frac{3}{4}'),
-    or None if there is none or it is never closed."""
+    r"""What the last '\boxed{' in `text` holds up to its matching brace ('\boxed{\frac{3}{4}}' ->
+    '\frac{3}{4}'), or None if there is none or it is never closed."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -47,16 +49,18 @@ def last_boxed(text):
             return text[start:i]
     return None
 
-# a line that is only '#### 42', as GSM8K's own solutions end; not a markdown heading such as '#### Step 2: ...'
+# a line that is only '#### 42', as GSM8K's own solutions end; not a markdown heading such as
+# '#### Step 2: ...'
 ANSWER_LINE = re.compile(r"^####[ \t]*\$?(" + NUMBER.pattern + r")[ \t]*\.?[ \t]*$", re.MULTILINE)
 
 def extract_answer(text):
-    r"""The final answer of a math completion as a float, or None if it gives none: the number on the last '#### 42'
-    line, else the number in the last \boxed{} (the form the GSM8K prompt asks for), else the last number in the text.
-    Commas, '$' and a sentence's final '.' are not part of a number: '$1,234.50.' is 1234.5. A box is the model's
-    declared answer, so it must hold exactly one number ('\boxed{\$1{,}000}', '\boxed{18 \text{ dollars}}'); one
-    holding '3/4', '\frac{3}{4}' or '2+3=5' is an answer that is not a number, hence None, not a guess at one of its
-    numbers. Fractions are not evaluated anywhere: GSM8K's answers are whole numbers."""
+    r"""The final answer of a math completion as a float, or None if it gives none: the number on
+    the last '#### 42' line, else the number in the last \boxed{} (the form the GSM8K prompt asks
+    for), else the last number in the text. Commas, '$' and a sentence's final '.' are not part of a
+    number: '$1,234.50.' is 1234.5. A box is the model's declared answer, so it must hold exactly
+    one number ('\boxed{\$1{,}000}', '\boxed{18 \text{ dollars}}'); one holding '3/4', '\frac{3}{4}'
+    or '2+3=5' is an answer that is not a number, hence None, not a guess at one of its numbers.
+    Fractions are not evaluated anywhere: GSM8K's answers are whole numbers."""
     lines = ANSWER_LINE.findall(text)
     if lines:
         return to_number(lines[-1])
@@ -68,13 +72,15 @@ def extract_answer(text):
     return to_number(found[-1]) if found else None
 
 # Countdown answers: the other ways models write the four operations, as + - * /
-OPERATOR_SPELLINGS = {"\\times": "*", "\\cdot": "*", "\\div": "/", "×": "*", "·": "*", "÷": "/", "−": "-"}
-EQUATION = re.compile(r"[0-9+\-*/()=\s]+")  # all an answer may hold, once spelled so: no letters, '.' or '^'
-MAX_EQUATION = 200  # characters: ~8x a 4-number answer; it bounds the parser's recursion to ~600 frames
+OPERATOR_SPELLINGS = {"\\times": "*", "\\cdot": "*", "\\div": "/",
+                      "×": "*", "·": "*", "÷": "/", "−": "-"}
+EQUATION = re.compile(r"[0-9+\-*/()=\s]+")  # all an answer may hold: no letters, '.' or '^'
+MAX_EQUATION = 200  # characters, ~8x a 4-number answer: the parser recurses ~600 frames at most
 
 def countdown_equation(text):
-    r"""The equation a Countdown completion answers with, operators spelled + - * /: what its last \boxed{} holds,
-    else its last line made of EQUATION's characters only with an operator in it, else None."""
+    r"""The equation a Countdown completion answers with, operators spelled + - * /: what its last
+    \boxed{} holds, else its last line of EQUATION's characters with an operator in it, else
+    None."""
     def spelled(s):
         for other, op in OPERATOR_SPELLINGS.items():
             s = s.replace(other, op)
@@ -83,13 +89,15 @@ def countdown_equation(text):
     if boxed is not None:
         return spelled(boxed)
     lines = [spelled(line) for line in text.splitlines()]
-    return next((line for line in reversed(lines) if EQUATION.fullmatch(line) and re.search(r"[-+*/]", line)), None)
+    equations = (line for line in reversed(lines)
+                 if EQUATION.fullmatch(line) and re.search(r"[-+*/]", line))
+    return next(equations, None)
 
 def _evaluate(tokens):
-    """The exact value of `tokens` (whole numbers, + - * / and parentheses, the usual precedence) as a Fraction, or
-    None if they are not such an expression or it divides by zero. A recursive-descent parser: a model's text is
-    never handed to eval. There is no unary sign: the numbers are positive and the operations binary, so '-3' is
-    not a move the puzzle has."""
+    """The exact value of `tokens` (whole numbers, + - * / and parentheses, the usual precedence) as
+    a Fraction, or None if they are not such an expression or it divides by zero. A
+    recursive-descent parser: a model's text is never handed to eval. There is no unary sign: the
+    numbers are positive and the operations binary, so '-3' is not a move the puzzle has."""
     tokens, pos = tokens + ["end"], 0
     def take():
         nonlocal pos
@@ -122,12 +130,14 @@ def _evaluate(tokens):
     return value if tokens[pos] == "end" else None
 
 def solves_countdown(equation, numbers, target):
-    """Whether `equation` ('(44 + 19) - 35', '... = 28' also fine) uses each of `numbers` exactly once, as written
-    (concatenating '4' and '4' into '44' is not allowed), and equals `target` exactly: '8 / 3 * 3' is 8."""
+    """Whether `equation` ('(44 + 19) - 35', '... = 28' also fine) uses each of `numbers` exactly
+    once, as written ('4' and '4' may not be joined into '44'), and equals `target` exactly:
+    '8 / 3 * 3' is 8."""
     if len(equation) > MAX_EQUATION or not EQUATION.fullmatch(equation):
         return False
     expression, _, claimed = equation.partition("=")
-    if claimed and claimed.strip() != str(target):  # a stated result must be the target: '= 30 = 28' is not
+    # a stated result must be the target: '= 30 = 28' is not
+    if claimed and claimed.strip() != str(target):
         return False
     tokens = re.findall(r"[0-9]+|\S", expression)
     if sorted(int(t) for t in tokens if t.isdigit()) != sorted(numbers):
@@ -138,25 +148,25 @@ def solves_countdown(equation, numbers, target):
 # built-in reward functions
 
 def exact_match(prompts, completions, answer, **kwargs):
-    """1.0 if the completion is the answer up to surrounding whitespace, else 0.0 (the built-in tasks)."""
+    """1.0 if the completion is the answer, give or take surrounding whitespace, else 0.0."""
     return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
 
 def final_answer_match(prompts, completions, answer, observations=None, **kwargs):
-    """exact_match on the policy's last turn: what follows the last observation in a multi-turn completion (the
-    answer it gives after its tool calls), the whole completion otherwise."""
+    """exact_match on the policy's last turn: what follows the last observation in a multi-turn
+    completion (the answer it gives after its tool calls), the whole completion otherwise."""
     last = [c[c.rfind(o[-1]) + len(o[-1]):] if o else c
             for c, o in zip(completions, observations or [()] * len(completions))]
     return exact_match(prompts, last, answer)
 
 def numeric_match(prompts, completions, answer, **kwargs):
-    """1.0 if the completion's final answer (extract_answer) has the answer's value, else 0.0; None where the answer
-    is not a number. 'The total is $1,000.' matches '1000'."""
+    """1.0 if the completion's final answer (extract_answer) has the answer's value, else 0.0; None
+    where the answer is not a number. 'The total is $1,000.' matches '1000'."""
     return [None if to_number(a) is None else float(extract_answer(c) == to_number(a))
             for c, a in zip(completions, answer)]
 
 def countdown_reward(prompts, completions, numbers, target, **kwargs):
-    """1.0 if the completion's equation (countdown_equation) solves the Countdown problem (solves_countdown) with
-    the row's `numbers` (a list of ints) and `target` (an int), else 0.0."""
+    """1.0 if the completion's equation (countdown_equation) solves the Countdown problem
+    (solves_countdown) with the row's `numbers` (a list of ints) and `target` (an int), else 0.0."""
     rewards = []
     for c, nums, t in zip(completions, numbers, target):
         equation = countdown_equation(c)
@@ -171,31 +181,37 @@ def single_number(prompts, completions, **kwargs):
 ENDS_WITH_NUMBER = r"(?s).*\d\s*"  # the completion ends on its answer, no rambling after it
 
 def format_reward(pattern=ENDS_WITH_NUMBER, name="format"):
-    """A reward function giving 1.0 to completions that match `pattern` in full, else 0.0. Weighted small, it
-    nudges the policy toward a shape the verifier can read. `name` is how it shows in the logs."""
+    """A reward function, `name` in the logs, giving 1.0 to completions that match `pattern` in
+    full, else 0.0. Weighted small, it nudges the policy toward a shape the verifier can read."""
     regex = re.compile(pattern)
     def fn(prompts, completions, **kwargs):
         return [float(regex.fullmatch(c) is not None) for c in completions]
     fn.__name__ = name
     return fn
 
-# the GSM8K and Countdown prompts ask for the answer in a \boxed{}; a reward for doing so, whatever is inside
+# the GSM8K and Countdown prompts ask for the answer in a \boxed{}: a reward for doing so, whatever
+# the box holds
 BOXED = r"(?s).*\\boxed\{.+\}.*"
 
 def soft_overlong_punishment(cache_length=None, max_completion_length=None):
-    """DAPO's soft overlong punishment as a reward function: no penalty up to L_max - L_cache tokens, then a
-    penalty growing linearly to -1 at L_max tokens, and -1 beyond. L_max defaults to the rollout's
-    max_completion_length and L_cache to a fifth of it (DAPO used 4096 of 20480). Lengths count the eos if sampled."""
+    """DAPO's soft overlong punishment as a reward function: no penalty up to L_max - L_cache
+    tokens, then a penalty growing linearly to -1 at L_max tokens, and -1 beyond. L_max defaults to
+    the rollout's max_completion_length and L_cache to a fifth of it (DAPO used 4096 of 20480);
+    lengths count the eos if sampled."""
     if cache_length is not None and cache_length < 1:
         raise ConfigError(f"cache_length must be at least 1 token, got {cache_length}")
     def overlong(prompts, completions, completion_ids, **columns):
-        l_max = columns["max_completion_length"] if max_completion_length is None else max_completion_length
+        l_max = (columns["max_completion_length"] if max_completion_length is None
+                 else max_completion_length)
         l_cache = max(1, l_max // 5) if cache_length is None else cache_length
         if l_cache > l_max:
-            raise ConfigError(f"cache_length ({l_cache}) must not exceed max_completion_length ({l_max})")
+            raise ConfigError(f"cache_length ({l_cache}) must not exceed "
+                              f"max_completion_length ({l_max})")
         # DAPO (Yu et al. 2025) eq. 13: R(y) = 0 if |y| <= L_max - L_cache,
-        # ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max, and -1 if |y| > L_max
-        return [max(-1.0, min(0.0, (l_max - l_cache - len(ids)) / l_cache)) for ids in completion_ids]
+        # ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max,
+        # and -1 if |y| > L_max
+        return [max(-1.0, min(0.0, (l_max - l_cache - len(ids)) / l_cache))
+                for ids in completion_ids]
     return overlong
 
 REWARD_FNS = {  # the names a config can use in its list of reward functions
@@ -210,19 +226,22 @@ REWARD_FNS = {  # the names a config can use in its list of reward functions
 }
 
 def get_reward_fns(names):
-    """The reward functions called `names` (a single name is fine too): a key of REWARD_FNS, or 'module:function'
-    for one of your own, imported from the Python path (e.g. --reward_funcs="('myrewards:brevity',)")."""
+    """The reward functions called `names` (a single name is fine too): a key of REWARD_FNS, or
+    'module:function' for one of your own, imported from the Python path
+    (e.g. --reward_funcs="('myrewards:brevity',)")."""
     fns = []
     for name in [names] if isinstance(names, str) else names:
         if ':' in name:
             fn = import_named(name, 'reward function')
             if not callable(fn):
-                raise ConfigError(f"reward function {name!r} is a {type(fn).__name__}, not a function")
+                raise ConfigError(f"reward function {name!r} is a {type(fn).__name__}, "
+                                  f"not a function")
         elif name in REWARD_FNS:
             fn = REWARD_FNS[name]
         else:
-            raise ConfigError(f"unknown reward function {name!r}; valid names: {', '.join(REWARD_FNS)}, "
-                              f"'module:function' for your own, 'rm:DIR' or 'judge:PATH' for a model's")
+            raise ConfigError(f"unknown reward function {name!r}; valid names: "
+                              f"{', '.join(REWARD_FNS)}, 'module:function' for your own, "
+                              f"'rm:DIR' or 'judge:PATH' for a model's")
         fns.append(fn)
     return fns
 
@@ -238,10 +257,11 @@ def _one_line(error):
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 def _culprit(fn, prompts, completions, columns):
-    """Call fn on one completion at a time to find the first it raises on or does not give exactly one value.
-    Returns (completion, exception or None), or (None, None) if it only misbehaves on the whole batch."""
+    """Call fn on one completion at a time to find the first it raises on or does not give exactly
+    one value for: (completion, exception or None), or (None, None) if only the batch fails."""
     for i, c in enumerate(completions):
-        row = {k: v[i:i + 1] if isinstance(v, list) else v for k, v in columns.items()}  # scalars stay as they are
+        # the columns of completion i alone; scalars (max_completion_length) stay as they are
+        row = {k: v[i:i + 1] if isinstance(v, list) else v for k, v in columns.items()}
         try:
             values = fn(prompts[i:i + 1], [c], **row)
         except Exception as e:
@@ -251,60 +271,70 @@ def _culprit(fn, prompts, completions, columns):
     return None, None
 
 def _call(fn, prompts, completions, columns):
-    """fn's rewards as floats or None, after checking that there is one finite number (or None) per completion.
-    Bools are accepted as 1.0/0.0, so a verifier may return its pass/fail test directly."""
+    """fn's rewards as floats or None, after checking that there is one finite number (or None) per
+    completion. Bools are accepted as 1.0/0.0, so a verifier may return its pass/fail test as is."""
     name, n = fn.__name__, len(completions)
     try:
         values = fn(prompts, completions, **columns)
     except Exception as e:
-        c, e_one = _culprit(fn, prompts, completions, columns)
-        if e_one is None:
-            raise ConfigError(f"reward function {name} raised {_one_line(e)} on a batch of {n} completions "
-                              f"(but on none of them alone), e.g. {_show(completions[0])}") from e
-        raise ConfigError(f"reward function {name} raised {_one_line(e_one)} on completion {_show(c)}") from e_one
+        culprit, its_error = _culprit(fn, prompts, completions, columns)
+        if its_error is None:
+            raise ConfigError(f"reward function {name} raised {_one_line(e)} on a batch of {n} "
+                              f"completions (but on none of them alone), "
+                              f"e.g. {_show(completions[0])}") from e
+        raise ConfigError(f"reward function {name} raised {_one_line(its_error)} "
+                          f"on completion {_show(culprit)}") from its_error
     if not isinstance(values, list):
-        raise ConfigError(f"reward function {name} returned a {type(values).__name__}, expected a list of {n} floats "
-                          f"(or None), one per completion, e.g. for {_show(completions[0])}")
+        raise ConfigError(f"reward function {name} returned a {type(values).__name__}, "
+                          f"expected a list of {n} floats (or None), one per completion, "
+                          f"e.g. for {_show(completions[0])}")
     if len(values) != n:
-        c, _ = _culprit(fn, prompts, completions, columns)
-        where = f"; called alone on completion {_show(c)} it does not return one value" if c is not None else ""
-        raise ConfigError(f"reward function {name} returned {len(values)} values for {n} completions{where}")
+        culprit, _ = _culprit(fn, prompts, completions, columns)
+        where = (f"; called alone on completion {_show(culprit)} it does not return one value"
+                 if culprit is not None else "")
+        raise ConfigError(f"reward function {name} returned {len(values)} values "
+                          f"for {n} completions{where}")
     for v, c in zip(values, completions):
         if v is not None and not isinstance(v, numbers.Real):
-            raise ConfigError(f"reward function {name} returned {_show(v)} (a {type(v).__name__}) for completion "
-                              f"{_show(c)}; a reward must be a number or None")
+            raise ConfigError(f"reward function {name} returned {_show(v)} (a {type(v).__name__}) "
+                              f"for completion {_show(c)}; a reward must be a number or None")
         if v is not None and not math.isfinite(v):
-            raise ConfigError(f"reward function {name} returned {v} for completion {_show(c)}; a reward must be finite")
+            raise ConfigError(f"reward function {name} returned {v} for completion {_show(c)}; "
+                              f"a reward must be finite")
     return [None if v is None else float(v) for v in values]
 
 def compute_rewards(reward_fns, weights, prompts, completions, columns):
-    """Score completions with every reward function. Returns (total, per_function):
-    total[i] is the weighted sum over the functions that gave completion i a value, or None if none of them did
-    (a function saying None is left out rather than counted as a 0 that would drag a mean down); per_function
-    maps each function's __name__ to its raw, unweighted values, for logging."""
+    """Score completions with every reward function. Returns (total, per_function): total[i] is the
+    weighted sum over the functions that gave completion i a value, or None if none of them did (a
+    function saying None is left out rather than counted as a 0 that would drag a mean down);
+    per_function maps each function's __name__ to its raw, unweighted values, for logging."""
     if len(weights) != len(reward_fns):
-        raise ConfigError(f"{len(reward_fns)} reward functions but {len(weights)} weights; give one weight per "
-                          f"function")
+        raise ConfigError(f"{len(reward_fns)} reward functions but {len(weights)} weights; "
+                          f"give one weight per function")
     names = [fn.__name__ for fn in reward_fns]
     for name in names:
         if names.count(name) > 1:
-            raise ConfigError(f"two reward functions are named {name!r}; give them distinct __name__s for the logs")
+            raise ConfigError(f"two reward functions are named {name!r}; "
+                              f"give them distinct __name__s for the logs")
     for key, value in [("prompts", prompts)] + list(columns.items()):
         if isinstance(value, list) and len(value) != len(completions):
-            raise ConfigError(f"{key} has {len(value)} entries for {len(completions)} completions; they must align")
+            raise ConfigError(f"{key} has {len(value)} entries for {len(completions)} completions; "
+                              f"they must align")
     per_function = {fn.__name__: _call(fn, prompts, completions, columns) for fn in reward_fns}
     total = []
     for i in range(len(completions)):
-        given = [w * values[i] for w, values in zip(weights, per_function.values()) if values[i] is not None]
+        given = [w * values[i] for w, values in zip(weights, per_function.values())
+                 if values[i] is not None]
         total.append(sum(given) if given else None)
     return total, per_function
 
 # -----------------------------------------------------------------------------
 
 def pass_at_k(n, c, k):
-    """Unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021, the Codex paper):
-    1 - C(n-c, k) / C(n, k), the chance that k of the n samples drawn without replacement hold a correct one.
-    The ratio is computed as a product, so it neither overflows nor loses precision for large n."""
+    """Unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021, the
+    Codex paper): 1 - C(n-c, k) / C(n, k), the chance that k of the n samples drawn without
+    replacement hold a correct one. The ratio is computed as a product, so it neither overflows nor
+    loses precision for large n."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:

@@ -1,11 +1,10 @@
 """
 Chat templates: every checkpoint's own Jinja template, found where checkpoints keep it
-(load_template) and rendered as transformers' apply_chat_template renders it (apply_chat_template):
-jinja2's sandbox with transformers' settings, filters and globals. No family is written out by hand
-here, so none can drift from its model. Then a prompt's tokens under the run's template
-(encode_prompt), the tokens that end a turn (stop_ids), what a multi-turn rollout appends for tool
-results (tool_turn) and what a reward model reads (render_answered). docs/chat_templates.md says why
-exactness matters for RL.
+(load_template) and rendered as transformers renders it, in jinja2's sandbox with transformers'
+settings, filters and globals (apply_chat_template). No family is written out by hand, so none can
+drift from its model. Then a prompt's tokens under the run's template (encode_prompt), the tokens
+that end a turn (stop_ids), what a multi-turn rollout appends for tool results (tool_turn) and what
+a reward model reads (render_answered). docs/chat_templates.md says why exactness matters for RL.
 """
 import datetime
 import functools
@@ -26,7 +25,7 @@ from lib.tokenizer import eos_ids
 # the special-token strings a template reads, as transformers passes them (its special_tokens_map)
 TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                "mask_token")
-# what a template's own control tokens look like: <|im_start|>, DeepSeek's <｜User｜>, <start_of_turn>
+# a template's own control tokens: <|im_start|>, DeepSeek's <｜User｜>, Gemma's <start_of_turn>
 CONTROL = re.compile(r"<\|[^<>|\s]{1,40}\|>|<｜[^<>｜]{1,40}｜>|<(?:start|end)_of_turn>")
 # stand-ins for the policy's turn and the results, to find what a template writes around them
 TURN, PLACEHOLDER = "nanoGRPO's turn", "nanoGRPO-result-"
@@ -35,9 +34,8 @@ HOW = ("give chat_template= a .jinja file or the template's text, or chat_templa
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # jinja2's own tojson escapes <, >, & and ' for HTML; templates are written against
-    # transformers' filter, json.dumps with these keywords: tool descriptions keep their non-ASCII
-    # text and key order
+    # jinja2's tojson escapes <, >, & and ' for HTML; templates are written against transformers'
+    # filter, json.dumps with these keywords, so tools keep their non-ASCII text and key order
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
@@ -172,8 +170,7 @@ def apply_chat_template(template, messages, tools=None, add_generation_prompt=Fa
 
 
 def _probe(template):
-    """A conversation the template renders, for the tokens it writes: with a system message if it
-    takes one."""
+    """A short conversation as the template renders it, with a system message if it takes one."""
     user, answer = dict(role="user", content="2+2?"), dict(role="assistant", content="4")
     system = dict(role="system", content="S")
     for messages in ([system, user, answer, user], [user, answer, user], [user]):
@@ -185,9 +182,8 @@ def _probe(template):
 
 
 def check_template(template, enc, name):
-    """Refuse a template that writes a control token (<|im_start|>, its bos_token, ...) which
-    tokenizer `name` lacks as a special token: that text would be tokenized as plain text, a prompt
-    the model never saw."""
+    """Refuse a template writing a control token (<|im_start|>, its bos_token, ...) that tokenizer
+    `name` lacks as a special token: as plain text, it makes a prompt the model never saw."""
     if template is None:
         return
     text = _probe(template)
@@ -222,17 +218,16 @@ def prompt_messages(prompt, system_prompt=None):
 
 
 def tools_of(env):
-    """The tool descriptions an environment gives the model in its prompt (QwenTools' .tools), or
-    None."""
+    """The tool descriptions an environment puts in the prompt (QwenTools' .tools), or None."""
     tools = getattr(env, "tools", None)
     return [d for _, d in tools.values()] if isinstance(tools, dict) else None
 
 
 def encode_prompt(prompt, cfg, enc):
-    """A row's prompt (a string or a list of messages) as token ids: with no template (cfg.template
-    None) a string as it is, after the checkpoint's BOS if it has one; else rendered by the run's template with add_generation_prompt, the
-    system_prompt, the environment's tools and chat_template_kwargs, its special tokens then their
-    ids."""
+    """A row's prompt (a string or a list of messages) as token ids. With no template (cfg.template
+    None), a string as it is, after the checkpoint's BOS if it has one; else rendered by the run's
+    template with add_generation_prompt, the system_prompt, the environment's tools and
+    chat_template_kwargs, its special tokens then their ids."""
     if cfg.template is None:
         if not isinstance(prompt, str):
             raise ConfigError(f"a prompt is a list of messages but the run has no chat template; "
@@ -278,8 +273,9 @@ def stop_ids(enc, template=None, path=None, stop=()):
     for text in stop:
         one = enc.encode(text, allowed_special="all")
         if len(one) != 1:
-            raise ConfigError(f"stop_tokens: {text!r} is {len(one)} tokens of this tokenizer, not one; "
-                              f"give strings that are one token each (a newline, '</answer>', ...)")
+            raise ConfigError(f"stop_tokens: {text!r} is {len(one)} tokens of this tokenizer, "
+                              f"not one; give strings that are one token each (a newline, "
+                              f"'</answer>', ...)")
         ids += one
     return list(dict.fromkeys(ids))  # no repeats, first one first
 
@@ -398,8 +394,7 @@ def text_of(ids, cfg, enc):
 
 
 def render_answered(template, prompt, completion):
-    """The text of `prompt` answered by `completion` as the template renders the whole conversation
-    (transformers' apply_chat_template with the assistant's message, no generation prompt): what a
-    reward model reads."""
+    """The text of `prompt` answered by `completion`, the whole conversation as the template renders
+    it (no generation prompt): what a reward model reads."""
     answered = [*prompt_messages(prompt), dict(role="assistant", content=completion)]
     return apply_chat_template(template, answered)
