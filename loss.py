@@ -279,8 +279,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     if entropy_mask is not None:  # Beyond the 80/20 rule: only the high-entropy, forking tokens
         per_token = torch.where(entropy_mask, per_token, 0.0)
 
-    # 3. The KL to the reference, on every token
-    kl = kl_penalty(logps, ref_logps, token_log_ratio, kl_estimator, use_bias_correction_kl)
+    # 3. The KL to the reference, on every token (none without a reference: beta = 0)
+    kl = torch.zeros_like(logps)
+    if ref_logps is not None:
+        kl = kl_penalty(logps, ref_logps, token_log_ratio, kl_estimator, use_bias_correction_kl)
     per_token = torch.where(valid, per_token + beta * kl, 0.0)  # (B, T)
 
     # 4. The aggregation. Step-wide counts are clamped so that an all-masked batch gives 0, not NaN.
@@ -412,12 +414,10 @@ def off_policy_mask(sampler_logps, logps, valid, A, threshold):
 
 def kl_penalty(logps, ref_logps, token_log_ratio, estimator="k3", bias_correction=False):
     """
-    The KL regulariser GRPO (Shao et al. 2024) adds to each token's loss (times beta), (B, T): 0
-    without a reference. bias_correction: DeepSeek-V3.2's (2025) r x KL, since tokens drawn from
-    pi_old estimate the KL under pi only once weighted by their own ratio, at either level.
+    The KL regulariser GRPO (Shao et al. 2024) adds to each token's loss (times beta), (B, T).
+    bias_correction: DeepSeek-V3.2's (2025) r x KL, since tokens drawn from pi_old estimate the KL
+    under pi only once weighted by their own ratio, at either level.
     """
-    if ref_logps is None:
-        return torch.zeros_like(logps)
     kl = kl_divergence(logps, ref_logps, estimator)
     return torch.exp(token_log_ratio) * kl if bias_correction else kl
 

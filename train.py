@@ -9,6 +9,7 @@ rollout batch, cut into steps_per_generation optimizer steps over micro-batches 
 on each rank, all num_iterations (mu) times. The loss's normalisers and the logged stats sum over
 ranks and micro-batches: 8 accumulation steps on 1 GPU and 8 GPUs log and learn the same.
 """
+import functools
 import math
 import os
 import sys
@@ -190,6 +191,18 @@ def get_lr(step):
     return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * (1 + math.cos(math.pi * ratio)) / 2)
 
 
+# grpo_loss with this run's settings, each by its name (loss.py: what each does, from which paper)
+loss_fn = functools.partial(grpo_loss, loss_type=loss_type, max_completion_length=max_completion_length,
+    beta=0.0 if kl_in_reward else beta, kl_estimator=kl_estimator, surrogate=surrogate,
+    use_bias_correction_kl=use_bias_correction_kl, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+    delta=delta, importance_sampling_level=importance_sampling_level,
+    sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+    vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
+    sampler_correction=sampler_correction, sampler_correction_clip_min=sampler_correction_clip_min,
+    sampler_correction_clip_max=sampler_correction_clip_max, entropy_coef=entropy_coef)
+
+
 def save(it):
     """Checkpoint the state before iteration it, never right after a skipped step; returns it."""
     parallelism.check_replicas(raw_model, it)
@@ -290,20 +303,9 @@ for it in range(iter_start, max_iters + 1):
                         plain=plain, **cfg.truncation)
                 old, advantages, sampler = (mb[k].to(logps.dtype)
                                             for k in ('old_logps', 'advantages', 'sampler_logps'))
-                loss, stats = grpo_loss(logps, None if cfg.on_policy else old, mb.get('ref_logps'),
+                loss, stats = loss_fn(logps, None if cfg.on_policy else old, mb.get('ref_logps'),
                     advantages, mb['mask'], num_sequences=rows * world_size, num_tokens=num_tokens,
-                    sampler_logps=sampler, entropy=entropy, entropy_mask=mb.get('entropy_mask'),
-                    surrogate=surrogate, delta=delta, epsilon_low=epsilon_low,
-                    importance_sampling_level=importance_sampling_level, epsilon_high=epsilon_high,
-                    sapo_temperature_pos=sapo_temperature_pos, vespo_k_pos=vespo_k_pos,
-                    sapo_temperature_neg=sapo_temperature_neg, vespo_k_neg=vespo_k_neg,
-                    vespo_lambda_pos=vespo_lambda_pos, vespo_lambda_neg=vespo_lambda_neg,
-                    off_policy_mask_threshold=off_policy_mask_threshold, entropy_coef=entropy_coef,
-                    sampler_correction=sampler_correction, kl_estimator=kl_estimator,
-                    sampler_correction_clip_min=sampler_correction_clip_min,
-                    sampler_correction_clip_max=sampler_correction_clip_max,
-                    beta=0.0 if kl_in_reward else beta, use_bias_correction_kl=use_bias_correction_kl,
-                    loss_type=loss_type, max_completion_length=max_completion_length)
+                    sampler_logps=sampler, entropy=entropy, entropy_mask=mb.get('entropy_mask'))
                 (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss wants the sum
                 add_stats(sums, stats, MAX_STATS)  # shares of the step's means add up
                 add_work(work, mb, need, raw_model)  # FLOPs and padding, for the log

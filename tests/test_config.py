@@ -65,13 +65,13 @@ def test_every_knob_is_declared_in_train_py_with_the_loss_s_own_defaults():
 
 
 def test_train_py_passes_every_loss_setting_to_grpo_loss_by_name():
-    """train.py calls grpo_loss with each of its settings spelled out as a keyword, each the config's
+    """train.py binds grpo_loss's settings, each spelled out as a keyword, each the config's
     own value of that name (beta through kl_in_reward's choice): a setting added to the loss but not
     to the call would silently keep its default."""
     tree = ast.parse(open(os.path.join(ROOT, 'train.py')).read())
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and getattr(node.func, 'id', None) == 'grpo_loss']
-    assert len(calls) == 1, "train.py calls grpo_loss once, in forward_backward"
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and node.args
+             and getattr(node.args[0], 'id', None) == 'grpo_loss']
+    assert len(calls) == 1, "train.py binds grpo_loss's settings once: functools.partial(grpo_loss, ...)"
     passed = {k.arg: k.value for k in calls[0].keywords}
     assert None not in passed, "no **kwargs: every setting by name"
     assert set(settings()) <= set(passed), f"not passed: {sorted(set(settings()) - set(passed))}"
