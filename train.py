@@ -32,7 +32,7 @@ from lib import chat, checkpoint, lora, multiturn, parallelism
 from lib.errors import need_package
 from lib.measure import (add_stats, add_work, fastest_dtype, iteration_line, iteration_metrics,
                          lap, log, matmul_peak, memory_mb, resident_mb, update_stats)
-from lib.parallelism import all_sum, full, gathered
+from lib.parallelism import all_sum, gathered
 from lib.tokenizer import get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -191,11 +191,12 @@ def get_lr(step):
     return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * (1 + math.cos(math.pi * ratio)) / 2)
 
 
-# grpo_loss with this run's settings, each by its name (loss.py: what each does, from which paper)
-loss_fn = functools.partial(grpo_loss, loss_type=loss_type, max_completion_length=max_completion_length,
-    beta=0.0 if kl_in_reward else beta, kl_estimator=kl_estimator, surrogate=surrogate,
-    use_bias_correction_kl=use_bias_correction_kl, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-    delta=delta, importance_sampling_level=importance_sampling_level,
+# grpo_loss with this run's settings, each by its name (loss.py: what each does, and whose paper)
+loss_fn = functools.partial(grpo_loss, loss_type=loss_type,
+    max_completion_length=max_completion_length, beta=0.0 if kl_in_reward else beta,
+    kl_estimator=kl_estimator, surrogate=surrogate, use_bias_correction_kl=use_bias_correction_kl,
+    epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+    importance_sampling_level=importance_sampling_level,
     sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
     vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
     vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
@@ -215,7 +216,8 @@ def save(it):
 def stop_if_signalled(it):
     """At an iteration boundary: if any rank got a signal, all save the state before iteration `it`,
     print how to resume and exit with 128 + its number (resume redoes a dropped rollout exactly)."""
-    sig = checkpoint.stop_requested() if distributed else checkpoint.asked['signal']  # a vote over ranks
+    # the signal: a vote over the ranks, or the one this process got
+    sig = checkpoint.stop_requested() if distributed else checkpoint.asked['signal']
     if sig:
         if bad_in_row == 0 and it != saved_it:
             save(it)
@@ -275,13 +277,13 @@ for it in range(iter_start, max_iters + 1):
         parallelism.blend(ref_model, raw_model, ref_model_mixup_alpha)  # ref moves to the policy
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout follows the iteration: resume is exact
     t0 = time.perf_counter()
-    with gathered(raw_model, ref_model) if fsdp else nullcontext():  # FSDP: gathered once for the rollout
+    with gathered(raw_model, ref_model) if fsdp else nullcontext():  # FSDP: the weights, gathered
         # sample G completions per prompt, score them, and their group advantages
         batch, info = rollout(raw_model, ref_model, train_rows=train_rows, it=it, rank=rank,
             cfg=cfg, enc=enc, reward_fns=reward_fns, reward_weights=reward_weights)
     mem_rollout, t1 = memory_mb(device), time.perf_counter()
     stop_if_signalled(it)  # the rollout is the long part; resume redoes it exactly
-    # the update: num_iterations (mu) passes over the batch, steps_per_generation optimizer steps each
+    # the update: num_iterations (mu) passes over the batch, of steps_per_generation optimizer steps
     times, sums, work, bad, t = info['time'], {}, dict(tokens=0, placed=0, own=0, flops=0), 0, t1
     rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
     for _ in range(num_iterations):
@@ -294,9 +296,9 @@ for it in range(iter_start, max_iters + 1):
                 part['entropy_mask'] = top_entropy_mask(raw_model, part, cfg)
             t = lap(times, 'comm', t, device)
             for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size, plain)):
-                if distributed:  # the gradients are reduced over ranks on the last micro-batch only
+                if distributed:  # gradients are reduced over ranks on the last micro-batch only
                     parallelism.set_grad_sync(model, m == rows // micro_batch_size - 1)
-                need = last_counted(mb['mask'])  # (b,): the output layer stops at the last counted token
+                need = last_counted(mb['mask'])  # (b,) the head stops at the last that counts
                 with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
                     logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1],
                         temperature=temperature, entropy=True, lengths=need, pos=mb['pos'],
@@ -306,14 +308,13 @@ for it in range(iter_start, max_iters + 1):
                 loss, stats = loss_fn(logps, None if cfg.on_policy else old, mb.get('ref_logps'),
                     advantages, mb['mask'], num_sequences=rows * world_size, num_tokens=num_tokens,
                     sampler_logps=sampler, entropy=entropy, entropy_mask=mb.get('entropy_mask'))
-                (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss wants the sum
+                (loss * world_size).backward()  # DDP and FSDP average over ranks: the loss is a sum
                 add_stats(sums, stats, MAX_STATS)  # shares of the step's means add up
                 add_work(work, mb, need, raw_model)  # FLOPs and padding, for the log
             t = lap(times, 'backward', t, device)  # DDP's all-reduce overlaps the last backward
             norm = clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
             if distributed:  # the ranks share one gradient, but a NaN on one must stop them all
-                norm = full(norm)  # FSDP's norm is a DTensor
-                finite = all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() == 0
+                norm, finite = parallelism.all_finite(norm)
             else:
                 finite = torch.isfinite(norm).item()
             if finite:
@@ -333,7 +334,8 @@ for it in range(iter_start, max_iters + 1):
     stats = update_stats(sums, work, maxima=MAX_STATS, steps=num_iterations * steps_per_generation,
                          distributed=distributed)
     m = iteration_metrics(it, rollout_metrics(info, cfg, reward_fns, accuracy),
-                          dict(stats, grad_norm=norm.item(), lr=get_lr(max(step - 1, 0)), bad_steps=bad),
+                          dict(stats, grad_norm=norm.item(), lr=get_lr(max(step - 1, 0)),
+                               bad_steps=bad),
                           times=times, clock=(t0, t1, time.perf_counter()), peak=peak,
                           world_size=world_size, mem_mb=max(mem_rollout, memory_mb(device)),
                           **resident_mb(raw_model, optimizer, ref_model))

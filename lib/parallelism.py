@@ -210,6 +210,13 @@ def all_sum(t):
     return t
 
 
+def all_finite(norm):
+    """(norm, finite): the whole gradient norm (FSDP's is a DTensor) and whether it is finite on every rank, so
+    that a NaN on one rank skips the step on all of them."""
+    norm = full(norm)
+    return norm, all_sum(torch.tensor(float(not torch.isfinite(norm)))).item() == 0
+
+
 def check_replicas(model, it):
     """DDP's ranks must hold the same weights: a cheap checksum of each parameter, compared over ranks, catches a
     silent divergence before it is saved (FSDP's ranks hold different shards: nothing to compare)."""
