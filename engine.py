@@ -51,7 +51,8 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     """
     try:
         # observe None: one turn
-        with multiturn.observer(turns, turn_workers) as observe, cast_once(model):
+        observer = multiturn.observer(turns, turn_workers) if turns else contextlib.nullcontext()
+        with observer as observe, cast_once(model):
             return _generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p,
                              eos_id, generator, observe)
     finally:
