@@ -1,22 +1,25 @@
 """
 Rollout: a step's prompts in, the batch the loss needs out.
 
-For each prompt the policy samples G = num_generations completions (model.generate prefills the prompt once and
-decodes all G*prompts rows together), reward functions score them, and loss.group_advantages turns each group's
-rewards into advantages. What comes back holds, per completion row:
+For each prompt the policy samples G = num_generations completions (model.generate prefills the
+prompt once and decodes all G*prompts rows together), reward functions score them, and
+loss.group_advantages turns each group's rewards into advantages. What comes back holds, per
+completion row:
 
     idx        (B, T)  prompt + completion, right-padded: what model.logprobs reads
     start      (B,)    prompt length = index of the first completion token in idx
     mask       (B, C)  1 on completion tokens that count in the loss (C = max_completion_length)
-    old_logps  (B, C)  log-probs of the sampled tokens under the sampling policy (the ratio's denominator)
-    sampler_logps (B, C)  the log-probs generate reported: old_logps itself, unless old_logps were redone (see
-                          rollout: autocast, or the full softmax with top-k/top-p)
+    old_logps  (B, C)  log-probs of the sampled tokens under the sampling policy (the ratio's
+                       denominator)
+    sampler_logps (B, C)  the log-probs generate reported: old_logps itself, unless old_logps were
+                          redone (see rollout: autocast, or the full softmax with top-k/top-p)
     ref_logps  (B, C)  log-probs under the frozen reference model, only when beta > 0
     advantages (B,)
 
-Randomness is per prompt, not per rank: prompt j of iteration `it` is sampled from its own generator seeded by
-(seed, it, j). So a prompt gets the same completions whichever rank, batch or resume it lands in, and a run on
-1 GPU and on 8 sees the same rollouts (up to float rounding of the logits).
+Randomness is per prompt, not per rank: prompt j of iteration `it` is sampled from its own
+generator seeded by (seed, it, j). So a prompt gets the same completions whichever rank, batch or
+resume it lands in, and a run on 1 GPU and on 8 sees the same rollouts (up to float rounding of
+the logits).
 """
 import time
 from contextlib import nullcontext
@@ -33,14 +36,15 @@ from lib.parallelism import gather, gathered
 
 
 def prompt_seed(*key):
-    """A 63-bit seed from a tuple of ints, e.g. (seed, iteration, prompt id): python's hash of ints and tuples of
-    ints is the same in every process and run (only str hashes are randomised)."""
+    """A 63-bit seed from a tuple of ints, e.g. (seed, iteration, prompt id): python's hash of ints
+    and tuples of ints is the same in every process and run (only str hashes are randomised)."""
     return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def step_rows(train_rows, it, rank, cfg):
-    """This rank's prompts of iteration it: a seeded reshuffle of the train set each epoch, cut across ranks.
-    The position in the data is a function of the iteration, so a resume needs nothing else."""
+    """This rank's prompts of iteration it: a seeded reshuffle of the train set each epoch, cut
+    across ranks. The position in the data is a function of the iteration, so a resume needs
+    nothing else."""
     n, per_rank = len(train_rows), cfg.prompts_per_step // cfg.world_size
     first = it * cfg.prompts_per_step + rank * per_rank
     positions = range(first, first + per_rank)
@@ -50,47 +54,52 @@ def step_rows(train_rows, it, rank, cfg):
 
 
 def extra_rows(train_rows, n, it, rank, round_, cfg):
-    """Dynamic sampling's n extra prompts in a resampling round: random train rows, seeded by (it, rank, round)."""
-    g = torch.Generator().manual_seed(prompt_seed(cfg.seed, it, rank, round_))
-    return [dict(train_rows[i], _id=(rank, round_, k))
-            for k, i in enumerate(torch.randint(len(train_rows), (n,), generator=g).tolist())]
+    """Dynamic sampling's n extra prompts in a resampling round: random train rows, seeded by
+    (it, rank, round)."""
+    generator = torch.Generator().manual_seed(prompt_seed(cfg.seed, it, rank, round_))
+    picks = torch.randint(len(train_rows), (n,), generator=generator).tolist()
+    return [dict(train_rows[i], _id=(rank, round_, k)) for k, i in enumerate(picks)]
 
 
 def pack(prompts, completions, pad):
-    """Token lists into what model.logprobs reads: idx (B, T) rows of prompt + completion, right-padded (causal
-    attention never looks at the padding on the right), and start (B,) where each completion begins."""
-    idx = torch.full((len(prompts), max(map(len, prompts)) + max(map(len, completions))), pad, dtype=torch.long)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        idx[b, :len(p) + len(c)] = torch.tensor(p + c)
-    return idx, torch.tensor([len(p) for p in prompts])
+    """Token lists into what model.logprobs reads: idx (B, T) rows of prompt + completion,
+    right-padded (causal attention never looks at the padding on the right), and start (B,) where
+    each completion begins."""
+    width = max(map(len, prompts)) + max(map(len, completions))
+    idx = torch.full((len(prompts), width), pad, dtype=torch.long)
+    for b, (prompt, completion) in enumerate(zip(prompts, completions)):
+        idx[b, :len(prompt) + len(completion)] = torch.tensor(prompt + completion)
+    return idx, torch.tensor([len(prompt) for prompt in prompts])
 
 
 def last_counted(mask):
-    """(B, C) -> (B,) each row's completion up to its last token that counts: what the log-prob passes read. The
-    mask is a prefix but for a multi-turn row's observations, which are context between the policy's turns."""
+    """(B, C) -> (B,) each row's completion up to its last token that counts: what the log-prob
+    passes read. The mask is a prefix but for a multi-turn row's observations, which are context
+    between the policy's turns."""
     return (mask * torch.arange(1, mask.size(1) + 1, device=mask.device)).amax(1)
 
 
 def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
-    """Sample completions for rows (dicts with 'prompt'); returns prompt ids, (N, C) tokens, mask, logps and, with
-    an environment (cfg.environment), each row's episode (else None)."""
+    """Sample completions for rows (dicts with 'prompt'); returns prompt ids, (N, C) tokens, mask,
+    logps and, with an environment (cfg.environment), each row's episode (else None)."""
     G = num_samples or cfg.num_generations
     C = cfg.max_completion_length
     device = next(model.parameters()).device
-    prompts = [encode_prompt(r['prompt'], cfg, enc) for r in rows]
-    gens = [torch.Generator(device).manual_seed(s) for s in seeds]
+    prompts = [encode_prompt(row['prompt'], cfg, enc) for row in rows]
+    generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
     temperature = cfg.temperature if temperature is None else temperature
-    # LoRA: sample from the weights with the adapters merged in (no adapter matmuls in the decode steps). Not under
-    # autocast: the merged weight, rounded to bf16, would lose most of a small update
-    merge = merged(model) if cfg.lora_rank and not cfg.autocast else nullcontext()
-    turns, record, ends = None, None, cfg.eos_ids  # one turn, or an environment's episodes:
+    # LoRA samples from the weights with the adapters merged in: no adapter matmuls per decode step.
+    # Not under autocast: the merged weight, rounded to bf16, would lose most of a small update.
+    merging = merged(model) if cfg.lora_rank and not cfg.autocast else nullcontext()
+    turns, record, ends = None, None, cfg.eos_ids  # a single turn unless an environment plays
     if cfg.environment:
         turns, record, ends = multiturn.episodes(cfg.environment, rows, G, cfg, enc)
-    with merge, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
-        tokens, mask, logps = model.generate(prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k,
-                                             top_p=cfg.top_p, eos_id=ends, generator=gens, turns=turns,
-                                             turn_workers=cfg.tool_workers, plain=cfg.plain)
-    pad = C - tokens.shape[1]  # generate stops early when every row is done; the loss wants a fixed width C
+    with merging, torch.autocast(device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
+        tokens, mask, logps = model.generate(
+            prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+            eos_id=ends, generator=generators, turns=turns, turn_workers=cfg.tool_workers,
+            plain=cfg.plain)
+    pad = C - tokens.shape[1]  # generate stops early when every row is done; the loss wants width C
     tokens = torch.nn.functional.pad(tokens, (0, pad), value=cfg.eos_ids[0])
     mask = torch.nn.functional.pad(mask, (0, pad), value=False)
     logps = torch.nn.functional.pad(logps.float(), (0, pad))
@@ -98,32 +107,34 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
 
 
 def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=None, record=None):
-    """Decode and score completions (with an environment, whole trajectories, record their episodes). Returns
-    rewards (N,) with NaN = not applicable, truncated (N,), texts, per-fn."""
+    """Decode and score completions (with an environment, whole trajectories, record their
+    episodes). Returns rewards (N,) with NaN = not applicable, truncated (N,), texts, per-fn."""
     G = num_samples or cfg.num_generations
-    rows_ids = tokens.tolist()
-    ids = [t[:n] for t, n in zip(rows_ids, last_counted(mask).tolist())]
+    token_rows = tokens.tolist()
+    ids = [row[:n] for row, n in zip(token_rows, last_counted(mask).tolist())]
     completions = [text_of(c, cfg, enc) for c in ids]
-    truncated = [not e['finished'] for e in record] if record else \
-        [len(c) == cfg.max_completion_length and c[-1] not in cfg.eos_ids for c in ids]
-    columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != 'prompt'}
-    # completion_ids: the policy's own tokens (a multi-turn row's observations left out), which DAPO's overlong
-    # punishment counts
-    own = [[t for t, m in zip(row, counts) if m] for row, counts in zip(rows_ids, mask.tolist())]
-    columns.update(completion_ids=own, truncated=truncated, max_completion_length=cfg.max_completion_length)
+    truncated = ([not episode['finished'] for episode in record] if record else
+                 [len(c) == cfg.max_completion_length and c[-1] not in cfg.eos_ids for c in ids])
+    columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != 'prompt'}
+    # DAPO's overlong punishment counts the policy's own tokens, so completion_ids leave out a
+    # multi-turn row's observations.
+    own_ids = [[t for t, counted in zip(row, row_mask) if counted]
+               for row, row_mask in zip(token_rows, mask.tolist())]
+    columns.update(completion_ids=own_ids, truncated=truncated,
+                   max_completion_length=cfg.max_completion_length)
     if record:  # what the environment said after each of the policy's turns
-        columns.update(observations=[e['observations'] for e in record])
-    prompts = [r['prompt'] for r in rows for _ in range(G)]
+        columns.update(observations=[episode['observations'] for episode in record])
+    prompts = [row['prompt'] for row in rows for _ in range(G)]
     total, per_fn = compute_rewards(reward_fns, reward_weights, prompts, completions, columns)
     rewards = torch.tensor([float('nan') if r is None else r for r in total], dtype=torch.float64)
     return rewards, torch.tensor(truncated), completions, per_fn
 
 
 def is_flat(rewards, G):
-    """(N,) rewards -> (N / G,) bool: the groups whose rewards are all equal (NaN, not applicable, as 0). Their
-    advantages are zero, so they teach nothing; a group of one is always flat."""
-    r = rewards.nan_to_num(0.0).view(-1, G)  # (groups, G)
-    return r.amax(1) == r.amin(1)
+    """(N,) rewards -> (N / G,) bool: the groups whose rewards are all equal (NaN, not applicable,
+    as 0). Their advantages are zero, so they teach nothing; a group of one is always flat."""
+    grouped = rewards.nan_to_num(0.0).view(-1, G)  # (groups, G)
+    return grouped.amax(1) == grouped.amin(1)
 
 
 def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
@@ -136,87 +147,93 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     G = cfg.num_generations
     device = next(model.parameters()).device
     rows, kept, dropped, rounds = step_rows(train_rows, it, rank, cfg), [], 0, 0
-    times, t = {}, time.perf_counter()
-    while True:  # one pass without dynamic sampling; with it, refill until the batch holds informative groups
-        prompts, tokens, mask, logps, record = sample(model, rows, [prompt_seed(cfg.seed, it, r['_id']) for r in rows],
-                                                      cfg, enc)
-        t = lap(times, 'generate', t, device)
-        rewards, truncated, _, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, record=record)
-        t = lap(times, 'reward', t, device)
-        scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]] for f in reward_fns],
-                              dtype=torch.float64).T
-        per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated, scores=scores,
-                       **(multiturn.counts(record) if record else {}))
+    times, since = {}, time.perf_counter()
+    while True:  # once, or with dynamic sampling until the batch holds enough informative groups
+        seeds = [prompt_seed(cfg.seed, it, r['_id']) for r in rows]
+        prompts, tokens, mask, logps, record = sample(model, rows, seeds, cfg, enc)
+        since = lap(times, 'generate', since, device)
+        rewards, truncated, _, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns,
+                                              reward_weights, record=record)
+        since = lap(times, 'reward', since, device)
+        scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]]
+                               for f in reward_fns], dtype=torch.float64).T
+        per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated,
+                       scores=scores, **(multiturn.counts(record) if record else {}))
+        # A group is one prompt and its G completions: it is kept or dropped whole.
         groups = [dict(prompt=prompts[g], **{k: v[g * G:(g + 1) * G] for k, v in per_row.items()})
-                  for g in range(len(rows))]  # a group = one prompt and its G completions, kept or dropped whole
+                  for g in range(len(rows))]
         if not cfg.dynamic_sampling:
             kept = groups
             break
-        # DAPO dynamic sampling: a group whose rewards are all equal has zero advantage and teaches nothing
+        # DAPO dynamic sampling: a group of equal rewards has zero advantage, so it teaches nothing.
         flat = is_flat(rewards, G).tolist()
         dropped += sum(flat)
-        kept += [g for g, f in zip(groups, flat) if not f]
+        kept += [group for group, group_flat in zip(groups, flat) if not group_flat]
         want = cfg.prompts_per_step // cfg.world_size
         if len(kept) >= want or rounds == cfg.max_resample_rounds:
-            # out of rounds: fill up with flat groups (advantage 0) so every rank keeps the same number of rows
-            kept = (kept + [g for g, f in zip(groups, flat) if f])[:want]
+            # Out of rounds, flat groups (advantage 0) fill up, so every rank keeps as many rows.
+            kept = (kept + [group for group, group_flat in zip(groups, flat) if group_flat])[:want]
             break
         rounds += 1
         rows = extra_rows(train_rows, want - len(kept), it, rank, rounds, cfg)
-    cat = lambda key: torch.cat([g[key] for g in kept])
+    cat = lambda key: torch.cat([group[key] for group in kept])
     tokens, mask, sampler_logps = cat('tokens'), cat('mask'), cat('logps')
     rewards, truncated, scores = cat('rewards'), cat('truncated'), cat('scores')
     lengths = mask.sum(1)  # completion lengths before any loss masking, for logging
 
-    idx, start = pack([g['prompt'] for g in kept for _ in range(G)], tokens.tolist(), cfg.eos_ids[0])
+    row_prompts = [group['prompt'] for group in kept for _ in range(G)]
+    idx, start = pack(row_prompts, tokens.tolist(), cfg.eos_ids[0])
     batch = dict(idx=idx.to(device), start=start.to(device), mask=mask.to(device),
                  sampler_logps=sampler_logps.to(device))
     batch['old_logps'] = batch['sampler_logps']
-    t = lap(times, 'reward', t, device)  # packing the batch counts with scoring
-    full = (cfg.top_k, cfg.top_p) != (None, None) and not cfg.truncate_logprobs
-    if (cfg.autocast or full) and not cfg.on_policy or full and cfg.kl_in_reward:
-        # generate's log-probs are of the distribution it drew from (log q with top-k/top-p), the
-        # trainer's own; only low-precision sampling differs enough from the training forward to
+    since = lap(times, 'reward', since, device)  # packing the batch counts with scoring
+    full_softmax = (cfg.top_k, cfg.top_p) != (None, None) and not cfg.truncate_logprobs
+    if (cfg.autocast or full_softmax) and not cfg.on_policy or full_softmax and cfg.kl_in_reward:
+        # Generate's log-probs are of the distribution it drew from (log q with top-k/top-p), the
+        # trainer's own. Only low-precision sampling differs enough from the training forward to
         # redo them, or a trainer that takes the full softmax (truncate_logprobs=False), whose KL
         # in the reward needs its own too. On-policy the loss takes the training forward's own
-        # (logp.detach()) and needs no pass of its own. The sampler's stay in the batch for the
-        # off-policy mask and sampler_correction; the loss logs the gap
+        # (logp.detach()) and needs no pass here. The sampler's stay in the batch for the
+        # off-policy mask and sampler_correction, and the loss logs the gap.
         batch['old_logps'] = logprobs(model, batch, cfg)
-    if ref_model is not None:  # with LoRA the reference is the policy itself, its adapters switched off
+    if ref_model is not None:  # with LoRA the reference is the policy, its adapters switched off
         with adapters_off(model) if ref_model is model else nullcontext():
             batch['ref_logps'] = logprobs(ref_model, batch, cfg)
-    if cfg.mask_truncated_completions:  # DAPO overlong filtering: a cut-off answer is neither right nor wrong
+    if cfg.mask_truncated_completions:
+        # DAPO overlong filtering: a cut-off answer is neither right nor wrong.
         batch['mask'] = batch['mask'] & ~truncated.to(device)[:, None]
 
-    t = lap(times, 'logprobs', t, device)
+    since = lap(times, 'logprobs', since, device)
 
-    # advantages over the whole step's groups (all ranks), so 'batch' std scaling is the same on any layout
+    # Advantages over all ranks' groups, so that 'batch' std scaling is the same on any layout.
     shaped = rewards.clone()
-    if cfg.kl_in_reward:  # PPO-style: the KL penalty is part of the reward, before the group comparison
+    if cfg.kl_in_reward:  # PPO-style: the KL penalty is part of the reward, before the comparison
         kl = kl_divergence(batch['old_logps'], batch['ref_logps'], cfg.kl_estimator)  # (B, C)
         shaped -= cfg.beta * (kl * batch['mask']).sum(1).double().cpu()
-    if cfg.multi_objective_aggregation == 'normalize_then_sum':  # GDPO: each reward function on its own first
+    if cfg.multi_objective_aggregation == 'normalize_then_sum':  # GDPO: each function on its own
         advantages = decoupled_advantages(all_ranks(scores, cfg), reward_weights, G)
     else:
-        advantages = group_advantages(all_ranks(shaped, cfg), G, cfg.scale_rewards, cfg.advantage_estimator)
+        advantages = group_advantages(all_ranks(shaped, cfg), G, cfg.scale_rewards,
+                                      cfg.advantage_estimator)
     B = len(shaped)
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
-    lap(times, 'comm', t, device)  # gathering the rewards dominates this part
+    lap(times, 'comm', since, device)  # gathering the rewards dominates this part
+    episode_counts = {k: cat(k) for k in ('calls', 'errors')} if 'calls' in kept[0] else {}
     info = dict(time=times, rewards=rewards, scores=scores, lengths=lengths, truncated=truncated,
-                dropped_groups=dropped, **({k: cat(k) for k in ('calls', 'errors')} if 'calls' in kept[0] else {}))
+                dropped_groups=dropped, **episode_counts)
     return batch, info
 
 
 def all_ranks(x, cfg):
-    """x, this rank's rows, and every other rank's after them, in rank order (on the CPU): x itself on one
-    process."""
+    """x, this rank's rows, and every other rank's after them, in rank order (on the CPU): x itself
+    on one process."""
     return gather(x.to(cfg.device)).cpu() if cfg.world_size > 1 else x.cpu()
 
 
 def rollout_metrics(info, cfg, reward_fns, accuracy):
     """
-    What the log says of a rollout, over all ranks: the rewards (mean, std, each function's mean and
-    spread within a group), the accuracy (the share that `accuracy`, one of reward_fns, scores
+    What the log says of a rollout, over all ranks: the rewards (mean, std, each function's mean
+    and spread within a group), the accuracy (the share that `accuracy`, one of reward_fns, scores
     >= 1), the share of flat groups, completion lengths (also of right and of wrong answers, and
     their correlation with the reward: a length bias), the truncated share and the sampler's
     tokens/s.
@@ -225,32 +242,38 @@ def rollout_metrics(info, cfg, reward_fns, accuracy):
     rewards, scores, lengths, truncated = (all_ranks(info[k].double(), cfg)
                                            for k in ('rewards', 'scores', 'lengths', 'truncated'))
     correct = scores[:, reward_fns.index(accuracy)].nan_to_num() >= 1
-    m = dict(reward=rewards.nanmean().item(), reward_std=rewards.std().item(), acc=correct.double().mean().item(),
-             flat_groups=is_flat(rewards, G).double().mean().item(), len_mean=lengths.mean().item(),
-             len_max=lengths.max().item(), truncated=truncated.mean().item(), dropped_groups=info['dropped_groups'],
-             rollout_tok_s=lengths.sum().item() / info['time']['generate'])
-    m.update({f'reward/{f.__name__}': scores[:, j].nanmean().item() for j, f in enumerate(reward_fns)})
-    # what a model's reward is prone to: its spread within a group (the signal GRPO learns from) and a length bias
-    spread = scores.view(-1, G, scores.shape[1]).std(1).nanmean(0)  # (functions,) over the groups it applies to
-    m.update({f'reward_spread/{f.__name__}': s for f, s in zip(reward_fns, spread.tolist()) if s == s})  # not NaN
-    ok = rewards.isfinite()
-    corr = torch.corrcoef(torch.stack((lengths[ok], rewards[ok])))[0, 1].item() if ok.sum() > 1 else float('nan')
+    metrics = dict(reward=rewards.nanmean().item(), reward_std=rewards.std().item(),
+                   acc=correct.double().mean().item(),
+                   flat_groups=is_flat(rewards, G).double().mean().item(),
+                   len_mean=lengths.mean().item(), len_max=lengths.max().item(),
+                   truncated=truncated.mean().item(), dropped_groups=info['dropped_groups'],
+                   rollout_tok_s=lengths.sum().item() / info['time']['generate'])
+    metrics.update({f'reward/{f.__name__}': scores[:, j].nanmean().item()
+                    for j, f in enumerate(reward_fns)})
+    # What a reward is prone to: its spread within a group (GRPO's signal) and a length bias.
+    spread = scores.view(-1, G, scores.shape[1]).std(1).nanmean(0)  # (functions,) where it applies
+    metrics.update({f'reward_spread/{f.__name__}': s  # s == s leaves out NaN
+                    for f, s in zip(reward_fns, spread.tolist()) if s == s})
+    finite = rewards.isfinite()
+    corr = (torch.corrcoef(torch.stack((lengths[finite], rewards[finite])))[0, 1].item()
+            if finite.sum() > 1 else float('nan'))
     if corr == corr:  # absent where either does not vary
-        m['len_reward_corr'] = corr
-    for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # absent when there are none
+        metrics['len_reward_corr'] = corr
+    for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # absent when none
         if rows.any():
-            m[key] = lengths[rows].mean().item()
+            metrics[key] = lengths[rows].mean().item()
     if 'calls' in info:  # a multi-turn run's episodes
-        m.update(multiturn.metrics(info, lambda x: all_ranks(x, cfg)))
-    return m
+        metrics.update(multiturn.metrics(info, lambda x: all_ranks(x, cfg)))
+    return metrics
 
 
 def micro_batches(batch, size, plain=False):
-    """Yield (rows, micro-batch): the step's rows in ceil(B / size) micro-batches, each row in exactly one, with the
-    batch's tensors for those rows (`rows`, indices into batch), the (B, C) ones cut to their longest completion
-    that counts. The plain way is below: `size` consecutive rows, each its own sequence, idx (b, T) right-padded to
-    the longest, start (b,) each prompt's length. Unless plain, lib/packing.py lays the rows into fewer, fuller
-    sequences instead (pos then gives each token's position in its row): the same log-probs, less work."""
+    """Yield (rows, micro-batch): the step's rows in ceil(B / size) micro-batches, each row in
+    exactly one, with the batch's tensors for those rows (`rows`, indices into batch), the (B, C)
+    ones cut to their longest completion that counts. The plain way is below: `size` consecutive
+    rows, each its own sequence, idx (b, T) right-padded to the longest, start (b,) each prompt's
+    length. Unless plain, lib/packing.py lays the rows into fewer, fuller sequences instead (pos
+    then gives each token's position in its row): the same log-probs, less work."""
     need = last_counted(batch['mask'])  # (B,) completion tokens up to the last that counts
     if not plain:
         yield from packing.micro_batches(batch, size, need)
@@ -259,31 +282,34 @@ def micro_batches(batch, size, plain=False):
         L = max(int(need[rows].max()), 1)
         mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k != 'idx'}
         T = int(mb['start'].max()) + L  # the longest prompt + completion of the micro-batch
-        tokens = int((mb['start'] + need[rows]).sum())  # not padding: each row's own, as it has its own sequence
+        tokens = int((mb['start'] + need[rows]).sum())  # each row's own, as it has its own sequence
         yield rows, dict(mb, idx=batch['idx'][rows, :T], pos=None, tokens=tokens, row_tokens=tokens)
 
 
 @torch.inference_mode()
 def logprobs(model, batch, cfg, entropy=False):
-    """Log-probs (B, C) of the batch's completion tokens under model (no grad), at the sampling temperature, a
-    micro-batch at a time; with entropy=True also each position's entropy (B, C). Only the positions the mask
-    counts mean anything."""
+    """Log-probs (B, C) of the batch's completion tokens under model (no grad), at the sampling
+    temperature, a micro-batch at a time; with entropy=True also each position's entropy (B, C).
+    Only the positions the mask counts mean anything."""
+    dtype = torch.float64 if cfg.dtype == 'float64' else torch.float32
     out = torch.zeros((1 + entropy, *batch['mask'].shape), device=batch['mask'].device,
-                      dtype=torch.float64 if cfg.dtype == 'float64' else torch.float32)  # (1 or 2, B, C)
+                      dtype=dtype)  # (1 or 2, B, C)
     for rows, mb in micro_batches(batch, cfg.micro_batch_size, cfg.plain):
         with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
-            got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1], temperature=cfg.temperature,
-                                 entropy=entropy, lengths=last_counted(mb['mask']), pos=mb['pos'],
-                                 plain=cfg.plain, **cfg.truncation)  # (b, L), 0 past the last that counts
+            got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1],
+                                 temperature=cfg.temperature, entropy=entropy,
+                                 lengths=last_counted(mb['mask']), pos=mb['pos'], plain=cfg.plain,
+                                 **cfg.truncation)  # (b, L), 0 past the last that counts
         for o, x in zip(out, got if entropy else (got,)):
             o[rows, :x.shape[1]] = x.to(o.dtype)
     return tuple(out) if entropy else out[0]
 
 
 def top_entropy_mask(model, batch, cfg):
-    """80/20 (Wang et al. 2025): the tokens whose entropy under the policy as it is now is in the top
-    top_entropy_quantile of the whole step (all ranks, all micro-batches), so the choice does not depend on the
-    split."""
+    """80/20 (Wang et al. 2025): the tokens whose entropy under the policy as it is now is in the
+    top top_entropy_quantile of the whole step (all ranks, all micro-batches), so the choice does
+    not depend on the split."""
     with gathered(model):
         entropy = logprobs(model, batch, cfg, entropy=True)[1]  # (rows, C)
-    return entropy >= entropy_threshold(gather(entropy), gather(batch['mask']), cfg.top_entropy_quantile)
+    threshold = entropy_threshold(gather(entropy), gather(batch['mask']), cfg.top_entropy_quantile)
+    return entropy >= threshold
