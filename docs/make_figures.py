@@ -105,7 +105,8 @@ def real_rollout(run, **overrides):
     enc = get_tokenizer(config['tokenizer'])
     template = load_template(config['chat_template'], config['tokenizer'], config.get('chat_date'))
     cfg = SimpleNamespace(**config, world_size=1, autocast=False, ptdtype=torch.float32, on_policy=True,
-                          environment=None, template=template, eos_ids=stop_ids(enc, template))
+                          environment=None, template=template, eos_ids=stop_ids(enc, template),
+                          truncation=dict(top_k=config['top_k'], top_p=config['top_p']))
     policy = GPT.from_pretrained(state['dir'])
     ref = GPT.from_pretrained(os.path.join(run, 'warmstart')) if cfg.beta > 0 else None
     rows = load_dataset(cfg.task, 'train', seed=cfg.seed, **cfg.task_options)

@@ -409,7 +409,7 @@ def test_lessons_cite_names_that_exist():
         with open(os.path.join(ROOT, f"{module}.py")) as f:
             source = f.read()
         for n in filter(None, (name, attr) if name != "py" else ()):  # `reward.py` is a file, not a name
-            assert re.search(rf"^\s*(def|class) {n}\b|^{n} = ", source, re.MULTILINE), f"{module}.{name}.{attr}"
+            assert re.search(rf"^\s*(def|class) {n}\b|^\s*{n} = ", source, re.MULTILINE), f"{module}.{name}.{attr}"
 
 
 def test_lessons_quote_code_that_is_in_the_source():
