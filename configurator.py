@@ -189,6 +189,17 @@ def check_config(c, world_size, distributed=False):
     check_sampling(c['top_k'], c['top_p'])
 
 
+def check_fits(config, enc, tokenizer, block_size):
+    """A pretrained model (its GPTConfig) fits the run: the tokenizer's ids in its vocabulary,
+    block_size in its own."""
+    vocab, own = config.vocab_size, config.block_size
+    if vocab < enc.n_vocab:
+        raise ConfigError(f"the model's vocab_size {vocab} < tokenizer '{tokenizer}' n_vocab "
+                          f"{enc.n_vocab}; pick the tokenizer the model was trained with")
+    if own < block_size:
+        raise ConfigError(f"block_size={block_size} exceeds the model's {own}; lower block_size")
+
+
 def check_device(device):
     """One line naming the devices this machine has, rather than torch's traceback at the first
     tensor moved."""

@@ -21,6 +21,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from configurator import check_fits
 from model import GPT, GPTConfig
 from rollout import micro_batches, pack
 from lib import hf
@@ -157,7 +158,7 @@ def reward_fn(name, cfg):
         ids = torch.tensor([t[0] for t in tokens], device=device)
         values = [float(t) for t in cfg.judge_tokens] if numbers else [1.0, 0.0]
         values = torch.tensor(values, device=device)
-    model.check_fits(enc, path, 0)  # the tokenizer's ids within the model's vocabulary
+    check_fits(model.config, enc, path, 0)  # the tokenizer's ids within the model's vocabulary
     model.to(device)
     head = head.to(device) if kind == 'rm' else None
 

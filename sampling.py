@@ -19,6 +19,25 @@ def check_sampling(top_k, top_p):
         raise ConfigError(f"top_p={top_p!r} must be None or in (0, 1]")
 
 
+def check_generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id,
+                   turns):
+    """GPT.generate's arguments, checked before it samples anything (its docstring says what each
+    means); each prompt with max_new_tokens must fit the model (GPT.check_length)."""
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token to "
+                             f"condition on")
+        model.check_length(len(p) + max_new_tokens,
+                           f"prompt {i} ({len(p)} tokens) + max_new_tokens ({max_new_tokens})")
+    if turns is not None and eos_id is None:
+        raise ValueError("turns needs eos_id: a turn ends where a row samples one of those ids; "
+                         "pass them as eos_id")
+    if not prompts or max_new_tokens < 1 or num_samples < 1 or temperature < 0:
+        raise ValueError("generate needs at least one prompt, max_new_tokens >= 1, "
+                         "num_samples >= 1 and temperature >= 0")
+    check_sampling(top_k, top_p)
+
+
 def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
     """Draw one token per row of logits (B, V) from softmax(logits / temperature), restricted to the
     top_k most likely tokens and then to the smallest set of them holding top_p of their mass

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 from torch.nn.utils import clip_grad_norm_
 
-from configurator import check_config, check_device, configure, one_line_errors
+from configurator import check_config, check_device, check_fits, configure, one_line_errors
 from data import load_task
 from evaluate import evaluate, report, with_accuracy
 from loss import MAX_STATS, grpo_loss
@@ -164,7 +164,7 @@ if init_from == 'scratch':
 else:  # under FSDP only rank 0 reads the weights; the others get their shards from it
     model = GPT.from_pretrained(state['dir'] if init_from == 'resume' else init_from,
                                 dtype=param_dtype, device='meta' if fsdp and not master else None)
-model.check_fits(enc, tokenizer, block_size)
+check_fits(model.config, enc, tokenizer, block_size)
 model.to(device=None if fsdp else device, dtype=param_dtype)
 model.gradient_checkpointing = gradient_checkpointing
 if lora_rank:  # the adapters' random A is drawn from the seeded generator: the same on every rank

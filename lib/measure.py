@@ -69,6 +69,32 @@ def matmul_peak(device, dtype=torch.float32, repeat=5):
     return 2 * n**3 / seconds, f"{n}x{n} {dtype}".replace('torch.', '')
 
 
+def flops_per_token(model, T, backward=True):
+    """A GPT's model FLOPs for one token at context length T (PaLM appendix B, as nanoGPT's
+    estimate_mfu): 2 per weight of a matmul (an untied input embedding is a lookup, not a matmul;
+    grouped-query attention's smaller k and v and SwiGLU's third matrix are in the weights) plus 2*T
+    per query-head channel per layer for the attention scores and as much for the mixing (a sliding
+    layer's T at most its window); x3 with the backward pass."""
+    cfg = model.config
+    embedding = 0 if cfg.tie_word_embeddings else model.transformer.wte.weight.numel()
+    spans = [min(T, cfg.sliding_window) if t == "sliding_attention" else T  # the keys a query sees
+             for t in cfg.layer_types or [None] * cfg.n_layer]
+    forward = 2 * (model.get_num_params() - embedding) + 4 * cfg.n_head * cfg.head_dim * sum(spans)
+    return 3 * forward if backward else forward
+
+
+def update_flops(model, rows, T, C):
+    """Model FLOPs of a training step over `rows` sequences of T tokens with C completion positions
+    each (on average: logprobs' lengths): the body runs over all T positions, the output layer only
+    over the completion positions. A frozen weight (LoRA's base) gets no gradient of its own: 4
+    FLOPs per token in the step, not 6."""
+    head = 6 * model.config.vocab_size * model.config.n_embd  # the output layer's flops_per_token
+    frozen_head = 0 if model.lm_head.weight.requires_grad else head // 3
+    frozen_body = sum(p.numel() for p in model.transformer.h.parameters() if not p.requires_grad)
+    body = T * (flops_per_token(model, T) - head - 2 * frozen_body)
+    return rows * (body + C * (head - frozen_head))
+
+
 def mfu(flops, seconds, peak, world_size):
     """Model FLOPs utilisation: the FLOPs of all ranks (summed) over what world_size devices of peak FLOP/s each
     could do in those seconds, so that it reads the same at every world size (each rank's FLOPs over its own peak)."""
@@ -98,7 +124,7 @@ def add_work(work, mb, need, model):
     placed (not padding), and the rows' own tokens (a prompt shared by rows counted for each); need (b,) each row's
     completion tokens up to its last counted one, which the output layer runs on."""
     (b, T), n = mb['idx'].shape, int(need.sum())
-    ran = dict(flops=model.update_flops(b, T, n / b), tokens=b * T, placed=mb['tokens'], own=mb['row_tokens'])
+    ran = dict(flops=update_flops(model, b, T, n / b), tokens=b * T, placed=mb['tokens'], own=mb['row_tokens'])
     for k, v in ran.items():
         work[k] += v
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import engine
 import model as model_module
+from lib.measure import flops_per_token
 from configurator import ConfigError
 from model import GPT, GPTConfig, rope_frequencies
 from sampling import generate as reference_generate
@@ -198,7 +199,7 @@ def test_flops_per_token_counts_gqa_swiglu_and_the_head(tie):
         model(torch.zeros(1, 1, dtype=torch.long))  # one token through every matmul
     attention = cfg.n_layer * 2 * 2 * cfg.n_head * cfg.head_dim * T  # q.k scores and the mix, over T keys
     biases_and_norms = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 1)
-    assert model.flops_per_token(T, backward=False) == 2 * (sum(macs) + biases_and_norms) + attention
+    assert flops_per_token(model, T, backward=False) == 2 * (sum(macs) + biases_and_norms) + attention
 
 # -----------------------------------------------------------------------------
 # rotary scaling: Llama-3.1's, against Meta's per-frequency loop

@@ -20,6 +20,7 @@ import engine
 from configurator import ConfigError
 from lib.cpu_buffers import _buffers
 from lib.head import HeadLogprobs
+from lib.measure import flops_per_token, update_flops
 from model import GPT, GPTConfig
 from sampling import generate as reference_generate, sample
 
@@ -471,11 +472,11 @@ def test_flops_per_token():
     L, C, V, T = 3, 48, 100, 64
     model = GPT(GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=4, n_embd=C))
     N = V * C + L * (12 * C * C + 13 * C) + 2 * C  # tied embeddings + blocks + ln_f, without wpe
-    assert model.flops_per_token(T) == 6 * N + 12 * L * C * T
-    assert model.flops_per_token(T, backward=False) * 3 == model.flops_per_token(T)
+    assert flops_per_token(model, T) == 6 * N + 12 * L * C * T
+    assert flops_per_token(model, T, backward=False) * 3 == flops_per_token(model, T)
     # a training step over 5 rows whose last 16 positions are the completion: the output layer (V x C, 6 FLOPs per
     # weight with backward) runs only on those 16, everything else on all T
-    assert model.update_flops(5, T, 16) == 5 * (T * (6 * (N - V * C) + 12 * L * C * T) + 16 * 6 * V * C)
+    assert update_flops(model, 5, T, 16) == 5 * (T * (6 * (N - V * C) + 12 * L * C * T) + 16 * 6 * V * C)
 
 # -----------------------------------------------------------------------------
 # sampler: chi-square goodness of fit on small vocabularies

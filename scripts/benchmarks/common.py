@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
-from lib.measure import memory_mb, timed
+from lib.measure import flops_per_token, memory_mb, timed
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: train.py
@@ -113,7 +113,7 @@ def generate(model, args, prompts, max_new_tokens, eos_id=None):
 def decode_flops(model, args, prompt_len, steps):
     """Forward FLOPs of `steps` decode steps over all rows; step t attends to prompt_len + t positions."""
     rows = args.prompts * args.G
-    return sum(rows * model.flops_per_token(prompt_len + t, backward=False) for t in range(1, steps))
+    return sum(rows * flops_per_token(model, prompt_len + t, backward=False) for t in range(1, steps))
 
 def grpo_batch(args):
     """A GRPO-shaped batch of random tokens, seeded: idx (rows, prompt_len + new_tokens), G rows to a prompt, each

@@ -4,7 +4,7 @@ import argparse
 import torch
 
 from loss import grpo_loss
-from lib.measure import matmul_peak, timed, timed_rounds
+from lib.measure import flops_per_token, matmul_peak, timed, timed_rounds, update_flops
 from rollout import micro_batches
 import sampling
 from scripts.benchmarks.common import (autocast, build_model, decode_flops, generate, grpo_batch, in_fresh_process,
@@ -195,7 +195,7 @@ def bench_train_step(args, model, results):
     computed = sum(mb['idx'].numel() for mb in parts)  # tokens through the model, padding included
     placed = sum(mb['tokens'] for mb in parts)  # those of them that are not padding
     own = (start + mask.sum(1)).sum().item()  # the rows' prompt and completion tokens, each row alone
-    flops = sum(model.update_flops(*mb['idx'].shape, mb['mask'].sum().item() / len(mb['idx'])) for mb in parts)
+    flops = sum(update_flops(model, *mb['idx'].shape, mb['mask'].sum().item() / len(mb['idx'])) for mb in parts)
     results["train_step"] = dict(
         rows=len(idx), micro_batch_size=min(args.micro_batch_size, len(idx)), lengths=args.lengths,
         completion_len=mask.sum(1).double().mean().item(), step_ms=seconds * 1e3,
@@ -217,7 +217,7 @@ def bench_reward_model(args, model, results):
     r = results["reward_model"] = {}
     tokens = sum(map(len, rows))
     head = 2 * args.vocab_size * args.n_embd  # the output layer's share of a token's FLOPs: a reward model skips it
-    flops = sum(len(ids) * (model.flops_per_token(len(ids), backward=False) - head) for ids in rows)
+    flops = sum(len(ids) * (flops_per_token(model, len(ids), backward=False) - head) for ids in rows)
     for plain in (False, True):
         cfg = argparse.Namespace(micro_batch_size=args.micro_batch_size, plain=plain)
         with autocast(args):
