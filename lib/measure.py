@@ -76,10 +76,12 @@ def flops_per_token(model, T, backward=True):
     per query-head channel per layer for the attention scores and as much for the mixing (a sliding
     layer's T at most its window); x3 with the backward pass."""
     cfg = model.config
-    embedding = 0 if cfg.tie_word_embeddings else model.transformer.wte.weight.numel()
+    # the matmuls' weights: not the position table, nor an untied input embedding (a lookup)
+    weights = sum(p.numel() for n, p in model.named_parameters() if n != "transformer.wpe.weight"
+                  and (cfg.tie_word_embeddings or n != "transformer.wte.weight"))
     spans = [min(T, cfg.sliding_window) if t == "sliding_attention" else T  # the keys a query sees
              for t in cfg.layer_types or [None] * cfg.n_layer]
-    forward = 2 * (model.get_num_params() - embedding) + 4 * cfg.n_head * cfg.head_dim * sum(spans)
+    forward = 2 * weights + 4 * cfg.n_head * cfg.head_dim * sum(spans)
     return 3 * forward if backward else forward
 
 
