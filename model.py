@@ -287,19 +287,21 @@ class GPT(nn.Module):
             return near.tril() if pos.size(-1) > w else None
         return key_mask & near[:, None]  # (B, 1, T, T)
 
-    def forward(self, idx, start=None, length=None, temperature=1.0, entropy=False, lengths=None,
-                pos=None, plain=False, top_k=None, top_p=None):
-        """Logits (B, T, vocab_size) of idx (B, T); given start, the trainer's log-probs instead (as
-        nanoGPT's forward gives the loss given targets; DDP sees a pass through forward): out[b, j]
-        = log softmax(logits / temperature) of token idx[b, start[b] + j] (from the position
-        before), j < length, (B, length) float32 (float64 for a float64 model). idx: prompt +
-        completion + right padding per row; start (B,): prompt lengths; lengths (B,): the completion
-        tokens that count (only those reach the output layer; out is 0 past them). pos (B, T): rows
-        packed (see hidden), start (n,) indexes idx flattened, out (n, length). plain=True: the
-        reference, log_softmax(logits).gather; else the same in chunks (lib/head.py). entropy=True:
-        (out, H), H each softmax's entropy, with gradients. top_k, top_p: for log q."""
-        if start is None:
-            return self.lm_head(self.hidden(idx))
+    def logits(self, idx):
+        """Logits (B, T, vocab_size) of idx (B, T)."""
+        return self.lm_head(self.hidden(idx))
+
+    def forward(self, idx, start, length, temperature=1.0, entropy=False, lengths=None, pos=None,
+                plain=False, top_k=None, top_p=None):
+        """The trainer's pass, through forward so that DDP sees it (as nanoGPT's gives the loss):
+        out[b, j] = log softmax(logits / temperature) of token idx[b, start[b] + j] (from the
+        position before), j < length, (B, length) float32 (float64 for a float64 model). idx: prompt
+        + completion + right padding per row; start (B,): prompt lengths; lengths (B,): the
+        completion tokens that count (only those reach the output layer; out is 0 past them). pos
+        (B, T): rows packed (see hidden), start (n,) indexes idx flattened, out (n, length).
+        plain=True: the reference, log_softmax(logits).gather; else the same in chunks
+        (lib/head.py). entropy=True: (out, H), H each softmax's entropy, with gradients. top_k,
+        top_p: for log q."""
         B, T = idx.shape
         check = pos is None and not torch.compiler.is_compiling()  # a sync breaks a compiled graph
         if check and (int(start.min()) < 1 or int(start.max()) + length > T):

@@ -38,7 +38,7 @@ def fixture(request):
 
 def logits_error(model, ref):
     with torch.no_grad():
-        return (model(ref["input_ids"]) - ref["logits"]).abs().max().item()
+        return (model.logits(ref["input_ids"]) - ref["logits"]).abs().max().item()
 
 # -----------------------------------------------------------------------------
 # what transformers computes
@@ -74,7 +74,7 @@ def test_bf16_checkpoint_loads_in_its_own_dtype():
     model = GPT.from_pretrained(path).eval()
     assert model.lm_head.weight.dtype == torch.bfloat16
     with torch.no_grad():
-        logits = model(ref["input_ids"])
+        logits = model.logits(ref["input_ids"])
     assert logits.dtype == torch.bfloat16
     assert (logits.float() - ref["logits_bf16"].float()).abs().max() < 0.5  # README-modern's bf16 tolerance
 
@@ -196,7 +196,7 @@ def test_flops_per_token_counts_gqa_swiglu_and_the_head(tie):
         if isinstance(m, torch.nn.Linear):
             m.register_forward_hook(lambda mod, i, o: macs.append(mod.in_features * mod.out_features))
     with torch.no_grad():
-        model(torch.zeros(1, 1, dtype=torch.long))  # one token through every matmul
+        model.logits(torch.zeros(1, 1, dtype=torch.long))  # one token through every matmul
     attention = cfg.n_layer * 2 * 2 * cfg.n_head * cfg.head_dim * T  # q.k scores and the mix, over T keys
     biases_and_norms = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 1)
     assert flops_per_token(model, T, backward=False) == 2 * (sum(macs) + biases_and_norms) + attention

@@ -92,7 +92,7 @@ def test_weights_are_ggufs_dequantization_and_logits_match_safetensors(tmp_path,
     ours, theirs = loaded.state_dict(), reference.state_dict()
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
-    assert torch.equal(loaded(IDS), reference(IDS))
+    assert torch.equal(loaded.logits(IDS), reference.logits(IDS))
     if qtype == "F32":  # no rounding at all: the model written is the model read
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
 
@@ -103,7 +103,7 @@ def test_quantized_logits_stay_near_the_float_model(tmp_path):
     model = tiny_model("llama")
     loaded = GPT.from_pretrained(write_gguf(str(tmp_path / "q8.gguf"), model, "Q8_0"))
     with torch.no_grad():
-        assert torch.allclose(loaded(IDS), model(IDS), atol=2e-2)
+        assert torch.allclose(loaded.logits(IDS), model.logits(IDS), atol=2e-2)
 
 
 def test_the_llama_q_k_reordering_is_undone_and_a_wrong_order_is_caught(tmp_path):
@@ -113,14 +113,14 @@ def test_the_llama_q_k_reordering_is_undone_and_a_wrong_order_is_caught(tmp_path
     good = GPT.from_pretrained(write_gguf(str(tmp_path / "good.gguf"), model))
     bad = GPT.from_pretrained(write_gguf(str(tmp_path / "bad.gguf"), model, reorder=False))
     with torch.no_grad():
-        assert torch.equal(good(IDS), model(IDS))
-        assert not torch.allclose(bad(IDS), model(IDS), atol=1e-3)
+        assert torch.equal(good.logits(IDS), model.logits(IDS))
+        assert not torch.allclose(bad.logits(IDS), model.logits(IDS), atol=1e-3)
     q = model.transformer.h[0].attn.c_attn.weight[:64]
     assert not torch.equal(torch.from_numpy(llama_cpp_order(q.detach().numpy(), 4)), q)  # the order does differ
     for arch in ("qwen2", "qwen3"):
         m = tiny_model(arch)
         with torch.no_grad():
-            assert torch.equal(GPT.from_pretrained(write_gguf(str(tmp_path / f"{arch}.gguf"), m))(IDS), m(IDS))
+            assert torch.equal(GPT.from_pretrained(write_gguf(str(tmp_path / f"{arch}.gguf"), m)).logits(IDS), m.logits(IDS))
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -130,7 +130,7 @@ def test_tied_and_untied_output_layer(tmp_path, tied):
     assert loaded.config.tie_word_embeddings is tied
     assert (loaded.lm_head.weight is loaded.transformer.wte.weight) is tied
     with torch.no_grad():
-        assert torch.equal(loaded(IDS), model(IDS))
+        assert torch.equal(loaded.logits(IDS), model.logits(IDS))
 
 
 def test_config_from_metadata(tmp_path):
@@ -287,5 +287,5 @@ def test_logits_match_transformers_gguf_loading(name):
     reference = load_file(os.path.join(FIXTURES, name.replace(".gguf", ".safetensors")))
     model = GPT.from_pretrained(os.path.join(FIXTURES, name))
     with torch.no_grad():
-        logits = model(reference["ids"][None])[0]
+        logits = model.logits(reference["ids"][None])[0]
     torch.testing.assert_close(logits, reference["logits"], atol=2e-5, rtol=1e-4)

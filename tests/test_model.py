@@ -46,7 +46,7 @@ def record_logits(model):
 
 def test_logits_match_hugging_face(tiny, reference):
     with torch.no_grad():
-        logits = tiny(reference["input_ids"])
+        logits = tiny.logits(reference["input_ids"])
     assert logits.shape == reference["logits"].shape
     torch.testing.assert_close(logits, reference["logits"], atol=1e-5, rtol=0)
 
@@ -284,7 +284,7 @@ def test_generate_rejects_bad_prompts(tiny):
 # the trainer's log-prob path against a brute-force log-softmax
 
 def brute_logprobs(model, idx, start, length, temperature):
-    logp = torch.log_softmax(model(idx).float() / temperature, -1)  # (B, T, V)
+    logp = torch.log_softmax(model.logits(idx).float() / temperature, -1)  # (B, T, V)
     return torch.stack([logp[b, torch.arange(s - 1, s - 1 + length), idx[b, s:s + length]]
                         for b, s in enumerate(start.tolist())])
 
@@ -386,7 +386,7 @@ def test_head_chunks_reuse_buffers_no_live_tensor_holds():
 
 def brute_logprobs_entropy(model, idx, start, length, temperature):
     """Every position's full log-softmax in the model's dtype: (B, length) target log-probs and entropies."""
-    logp = torch.log_softmax(model(idx) / temperature, -1)  # (B, T, V)
+    logp = torch.log_softmax(model.logits(idx) / temperature, -1)  # (B, T, V)
     ent = -(logp.exp() * logp).sum(-1)  # (B, T)
     pos = start[:, None] + torch.arange(length) - 1  # (B, length) the position before each target
     rows = torch.arange(idx.size(0))[:, None]
@@ -559,7 +559,7 @@ def test_bias_free_model_saves_zero_biases(tmp_path):
     loaded = GPT.from_pretrained(tmp_path).eval()
     idx = torch.randint(0, 30, (2, 16))
     with torch.no_grad():
-        torch.testing.assert_close(loaded(idx), model(idx), atol=1e-6, rtol=0)
+        torch.testing.assert_close(loaded.logits(idx), model.logits(idx), atol=1e-6, rtol=0)
 
 def broken_copy(tmp_path, edit_config=None, edit_tensors=None):
     path = tmp_path / "ckpt"
@@ -606,7 +606,7 @@ def test_loads_unprefixed_keys_and_skips_mask_buffers(tmp_path, tiny, reference)
         t["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 128, 128))
     model = GPT.from_pretrained(broken_copy(tmp_path, edit_tensors=unprefix)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(reference["input_ids"]), reference["logits"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(model.logits(reference["input_ids"]), reference["logits"], atol=1e-5, rtol=0)
 
 def test_bf16_autocast_gives_float32_logprobs(tiny):
     # the CUDA recipe is bf16 autocast; CPU autocast exercises the same code: bf16 cache, float32 log-probs

@@ -120,7 +120,7 @@ def brute_force(path, tokens, prompts, completions, judge_prompt):
         question = judge_prompt.replace('{prompt}', text).replace('{completion}', c)
         row = enc.encode(apply_chat_template(template, [dict(role='user', content=question)],
                                              add_generation_prompt=True), allowed_special='all')
-        probs = model(torch.tensor([row]))[0, -1].softmax(-1)[ids]
+        probs = model.logits(torch.tensor([row]))[0, -1].softmax(-1)[ids]
         out.append((sum(v * q for v, q in zip(values, probs)) / probs.sum()).item())
     return out
 

@@ -28,7 +28,7 @@ def loop_logq(model, idx, start, length, temperature, top_k, top_p):
     """log q (B, length) and q's entropy, one position at a time: the kept set enumerated in
     Python from the full logits (the sampled token kept too), log q = z_t - logsumexp(z over the
     kept set), with autograd."""
-    logits = model(idx) / temperature  # (B, T, V)
+    logits = model.logits(idx) / temperature  # (B, T, V)
     out = torch.zeros(idx.shape[0], length, dtype=DT)
     ent = torch.zeros(idx.shape[0], length, dtype=DT)
     for b in range(idx.shape[0]):
@@ -97,7 +97,7 @@ def test_the_sampler_draws_from_the_trainer_s_q(top_k, top_p):
         every = torch.tensor([prompt + [t] for t in range(V)])
         q = model.logprobs(every, torch.full((V,), 3), 1, temperature, top_k=top_k,
                            top_p=top_p)[:, 0].exp()
-        z = model(torch.tensor([prompt]))[0, -1] / temperature
+        z = model.logits(torch.tensor([prompt]))[0, -1] / temperature
     want = torch.tensor(expected_probs(z.tolist(), 1.0, top_k, top_p), dtype=DT)
     support = want > 0
     # q from the trainer = the enumerated q
@@ -136,7 +136,7 @@ def test_a_truncated_on_policy_step_is_the_exact_policy_gradient_of_q(top_k, top
     logq = loop_logq(model, idx, start, L, temperature, top_k, top_p)[0]
     for b in range(len(idx)):  # every sampled token lies in the kept set the loop enumerates
         for j in range(int(mask[b].sum())):
-            z = (model(idx[b:b + 1])[0, start[b] + j - 1] / temperature).tolist()
+            z = (model.logits(idx[b:b + 1])[0, start[b] + j - 1] / temperature).tolist()
             assert expected_probs(z, 1.0, top_k, top_p)[int(idx[b, start[b] + j])] > 0
     pg = -(advantages[:, None] * torch.where(mask, logq, 0.0)).sum() / (len(idx) * C)
     want, got = grads(pg, model), grads(loss, model)

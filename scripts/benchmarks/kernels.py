@@ -133,7 +133,7 @@ def logprob_pass(args, naive, entropy=False):
     def run():
         with torch.inference_mode(), autocast(args):
             if naive:  # the plain way: (B, T, V) float32 log-softmax of every position
-                logp = model(idx).float().log_softmax(-1)
+                logp = model.logits(idx).float().log_softmax(-1)
                 return logp[:, P - 1:-1].gather(2, idx[:, P:, None])
             return model.logprobs(idx, start, T, entropy=entropy)
 

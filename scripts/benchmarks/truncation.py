@@ -48,7 +48,7 @@ def edge(model, args, top_k, top_p):
     for r, row in enumerate(tokens):
         idx = torch.tensor(prompts[r // G] + row.tolist(), device=row.device)[None]
         with torch.no_grad(), autocast(args):
-            z = model(idx)[0, args.prompt_len - 1:-1].float()  # (new_tokens, V) each token's logits
+            z = model.logits(idx)[0, args.prompt_len - 1:-1].float()  # (new_tokens, V) each token's logits
         differ += (fingerprint(z, top_k, top_p) != sampler[:, r]).any(-1).sum().item()
         outside += (~kept(z, top_k, top_p).gather(1, row[:, None])).sum().item()
         logq = torch.log_softmax(truncate_(z, top_k, top_p, row), -1).gather(1, row[:, None])[:, 0]
