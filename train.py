@@ -284,24 +284,24 @@ for it in range(iter_start, max_iters + 1):
     mem_rollout, t1 = memory_mb(device), time.perf_counter()
     stop_if_signalled(it)  # the rollout is the long part; resume redoes it exactly
     # the update: num_iterations (mu) passes over the batch, of steps_per_generation optimizer steps
-    times, sums, work, bad, t = info['time'], {}, dict(tokens=0, placed=0, own=0, flops=0), 0, t1
+    times, sums, work, bad, t = info['time'], {}, {}, 0, t1
     rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
     for _ in range(num_iterations):
         for s in range(steps_per_generation):
-            part = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
-            num_tokens = part['mask'].sum().float()  # the loss's normaliser: the step's tokens
+            step_batch = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
+            num_tokens = step_batch['mask'].sum().float()  # the loss's normaliser: the step's tokens
             if distributed:
                 num_tokens = all_sum(num_tokens)  # on every rank
             if top_entropy_quantile < 1:
-                part['entropy_mask'] = top_entropy_mask(raw_model, part, cfg)
+                step_batch['entropy_mask'] = top_entropy_mask(raw_model, step_batch, cfg)
             t = lap(times, 'comm', t, device)
-            for m, (_, mb) in enumerate(micro_batches(part, micro_batch_size, plain)):
+            for m, (_, mb) in enumerate(micro_batches(step_batch, micro_batch_size, plain)):
                 if distributed:  # gradients are reduced over ranks on the last micro-batch only
                     parallelism.set_grad_sync(model, m == rows // micro_batch_size - 1)
-                need = last_counted(mb['mask'])  # (b,) the head stops at the last that counts
+                counted = last_counted(mb['mask'])  # (b,) the head stops at the last that counts
                 with torch.autocast(device_type, dtype=cfg.ptdtype, enabled=autocast):
                     logps, entropy = model(mb['idx'], start=mb['start'], length=mb['mask'].shape[1],
-                        temperature=temperature, entropy=True, lengths=need, pos=mb['pos'],
+                        temperature=temperature, entropy=True, lengths=counted, pos=mb['pos'],
                         plain=plain, **cfg.truncation)
                 old, advantages, sampler = (mb[k].to(logps.dtype)
                                             for k in ('old_logps', 'advantages', 'sampler_logps'))
@@ -310,7 +310,7 @@ for it in range(iter_start, max_iters + 1):
                     sampler_logps=sampler, entropy=entropy, entropy_mask=mb.get('entropy_mask'))
                 (loss * world_size).backward()  # DDP and FSDP average over ranks: the loss is a sum
                 add_stats(sums, stats, MAX_STATS)  # shares of the step's means add up
-                add_work(work, mb, need, raw_model)  # FLOPs and padding, for the log
+                add_work(work, mb, counted, raw_model)  # FLOPs and padding, for the log
             t = lap(times, 'backward', t, device)  # DDP's all-reduce overlaps the last backward
             norm = clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
             if distributed:  # the ranks share one gradient, but a NaN on one must stop them all

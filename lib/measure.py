@@ -121,14 +121,15 @@ def add_stats(total, stats, maxima):
         total[k] = v if k not in total else total[k].maximum(v) if k in maxima else total[k] + v
 
 
-def add_work(work, mb, need, model):
+def add_work(work, mb, counted, model):
     """Add what a micro-batch of the update ran to work: its model FLOPs, the tokens in its sequences (b, T), those
-    placed (not padding), and the rows' own tokens (a prompt shared by rows counted for each); need (b,) each row's
+    not padding, and the rows' own tokens (a prompt shared by rows counted for each); counted (b,) each row's
     completion tokens up to its last counted one, which the output layer runs on."""
-    (b, T), n = mb['idx'].shape, int(need.sum())
-    ran = dict(flops=update_flops(model, b, T, n / b), tokens=b * T, placed=mb['tokens'], own=mb['row_tokens'])
+    (b, T), n = mb['idx'].shape, int(counted.sum())
+    ran = dict(flops=update_flops(model, b, T, n / b), tokens=b * T, not_padding=mb['tokens'],
+               row_tokens=mb['row_tokens'])
     for k, v in ran.items():
-        work[k] += v
+        work[k] = work.get(k, 0) + v
 
 
 def update_stats(total, work, *, maxima, steps, distributed):
@@ -143,8 +144,9 @@ def update_stats(total, work, *, maxima, steps, distributed):
         values, largest, done = all_sum(values), gather(values[None]).amax(0), all_sum(done)
     stats = {k: (largest[i] if k in maxima else values[i] / steps).item() for i, k in enumerate(total)}
     work = dict(zip(work, done.tolist()))
-    return dict(stats, flops=work['flops'], train_tokens=work['tokens'], pad_share=1 - work['placed'] / work['tokens'],
-                saved_share=1 - work['placed'] / work['own'])
+    return dict(stats, flops=work['flops'], train_tokens=work['tokens'],
+                pad_share=1 - work['not_padding'] / work['tokens'],
+                saved_share=1 - work['not_padding'] / work['row_tokens'])
 
 
 def resident_mb(model, optimizer, ref_model=None):
