@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from sampling import draw_uniforms, sample
+from sampling import draw_uniforms, eos_tensor, sample
 from lib import cuda_graphs, multiturn
 
 # model -> its static cache: off the module, so state_dict and deepcopy skip it
@@ -144,10 +144,7 @@ def _generate(model, prompts, max_new_tokens, samples_per_prompt, temperature, t
     # Every uniform the sampler will use, (steps, N, 2), drawn up front so that a row's draws
     # depend on nothing else.
     uniforms = draw_uniforms(generator, steps, len(prompts), samples_per_prompt, device)
-    eos = None
-    if eos_id is not None:  # one id or several, sorted: the smallest is what a finished row holds
-        eos_ids = sorted({eos_id} if isinstance(eos_id, int) else set(eos_id))
-        eos = torch.tensor(eos_ids, device=device)
+    eos = eos_tensor(eos_id, device)
     fill = 0 if eos is None else int(eos[0])  # what a row holds after its end
     out = Output(tokens=torch.full((steps + 1, n_rows), fill, device=device),
                  logps=torch.zeros(steps + 1, n_rows, device=device))

@@ -267,6 +267,12 @@ def rollout_metrics(info, cfg, reward_fns, accuracy):
     return metrics
 
 
+def truncation(cfg):
+    """model.logprobs' top_k and top_p, kept in cfg.truncation: the sampler's (log q, of the
+    distribution that sampled) unless truncate_logprobs=False asks for the full softmax's."""
+    return dict(top_k=cfg.top_k, top_p=cfg.top_p) if cfg.truncate_logprobs else {}
+
+
 def micro_batches(batch, size, plain=False):
     """Yield (rows, micro-batch): the step's rows in ceil(B / size) micro-batches, each row in
     exactly one, with the batch's tensors for those rows (`rows`, indices into batch), the (B, C)

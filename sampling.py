@@ -38,6 +38,14 @@ def check_generate(model, prompts, max_new_tokens, num_samples, temperature, top
     check_sampling(top_k, top_p)
 
 
+def eos_tensor(eos_id, device):
+    """generate's eos_id (None, one id or several) as a sorted tensor of ids, None for none: the
+    smallest is what a finished row holds after its end."""
+    if eos_id is None:
+        return None
+    return torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id)), device=device)
+
+
 def sample(logits, temperature=1.0, top_k=None, top_p=None, u=None):
     """Draw one token per row of logits (B, V) from softmax(logits / temperature), restricted to the
     top_k most likely tokens and then to the smallest set of them holding top_p of their mass
@@ -114,24 +122,25 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     device = model.lm_head.weight.device
     uniforms = draw_uniforms(generator, max_new_tokens, len(prompts), num_samples, device)
     rows = [p for p in prompts for _ in range(num_samples)]  # (N,) prompt-major
-    eos = torch.tensor(sorted({eos_id} if isinstance(eos_id, int) else set(eos_id or ())),
-                       dtype=torch.long, device=device)
-    fill = int(eos[0]) if len(eos) else 0  # what a row holds after its end
+    eos = eos_tensor(eos_id, device)
+    fill = 0 if eos is None else int(eos[0])  # what a row holds after its end
     idx = torch.full((len(rows), max(map(len, rows)) + max_new_tokens), fill, device=device)
     for i, row in enumerate(rows):
         idx[i, :len(row)] = torch.tensor(row)
     newest = torch.tensor([len(row) - 1 for row in rows], device=device)  # (N,)
+    every_row = torch.arange(len(rows), device=device)
     done = torch.zeros(len(rows), dtype=torch.bool, device=device)
     tokens, mask, logps = [], [], []
     for step in range(max_new_tokens):
         h = model.hidden(idx[:, :int(newest.max()) + 1])  # (N, T, C)
-        logits = model.lm_head(h[torch.arange(len(rows)), newest])  # (N, vocab_size)
+        logits = model.lm_head(h[every_row, newest])  # (N, vocab_size)
         tok, logp = sample(logits, temperature, top_k, top_p, uniforms[step])
         tokens.append(tok.masked_fill(done, fill)), logps.append(logp.masked_fill(done, 0.0))
         mask.append(~done)
         newest = newest + 1
-        idx[torch.arange(len(rows)), newest] = tokens[-1]
-        done = done | torch.isin(tok, eos)  # a row keeps its eos, and ends there
+        idx[every_row, newest] = tokens[-1]
+        if eos is not None:  # a row keeps its eos, and ends there
+            done = done | torch.isin(tok, eos)
         if done.all():
             break
     return torch.stack(tokens, 1), torch.stack(mask, 1), torch.stack(logps, 1)

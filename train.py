@@ -26,7 +26,7 @@ from evaluate import evaluate, report, with_accuracy
 from loss import MAX_STATS, grpo_loss
 from model import GPT, GPTConfig
 from rollout import (last_counted, micro_batches, prompt_seed, rollout, rollout_metrics,
-                     top_entropy_mask)
+                     top_entropy_mask, truncation)
 import sft
 from lib import chat, checkpoint, lora, multiturn, parallelism
 from lib.errors import need_package
@@ -142,8 +142,8 @@ if dtype == 'auto':  # rank 0 measures, so that every rank computes in the same 
 autocast = dtype in ('bfloat16', 'float16')
 cfg = SimpleNamespace(**dict(config, device=device, template=template), world_size=world_size,
                       autocast=autocast, ptdtype=getattr(torch, dtype),
-                      on_policy=num_iterations == 1 and steps_per_generation == 1,
-                      truncation=dict(top_k=top_k, top_p=top_p) if truncate_logprobs else {})
+                      on_policy=num_iterations == 1 and steps_per_generation == 1)
+cfg.truncation = truncation(cfg)
 param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 
 # data and rewards: everything that can be wrong with them fails here, before any work
@@ -289,7 +289,7 @@ for it in range(iter_start, max_iters + 1):
     for _ in range(num_iterations):
         for s in range(steps_per_generation):
             step_batch = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
-            num_tokens = step_batch['mask'].sum().float()  # the loss's normaliser: the step's tokens
+            num_tokens = step_batch['mask'].sum().float()  # the normaliser: the step's tokens
             if distributed:
                 num_tokens = all_sum(num_tokens)  # on every rank
             if top_entropy_quantile < 1:

@@ -30,7 +30,7 @@ from data import default_reward, load_dataset  # noqa: E402
 from loss import LOSS_TYPES, grpo_loss, group_advantages, kl_divergence  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from reward import get_reward_fns  # noqa: E402
-from rollout import is_flat, rollout  # noqa: E402
+from rollout import is_flat, rollout, truncation  # noqa: E402
 from sampling import sample  # noqa: E402
 from lib.chat import load_template, stop_ids  # noqa: E402
 from lib.tokenizer import get_tokenizer  # noqa: E402
@@ -101,12 +101,12 @@ def real_rollout(run, **overrides):
     last, under the run's config (saved in its checkpoint) changed by overrides. The reference model, when beta > 0,
     is the run's warm start: the policy RL started from. Returns (batch, info, policy, cfg)."""
     state = checkpoint.load_state(run)
-    config = {'plain': False, **state['config'], **overrides}  # runs from before the plain knob lack it
+    config = {'plain': False, 'truncate_logprobs': True, **state['config'], **overrides}  # older runs lack them
     enc = get_tokenizer(config['tokenizer'])
     template = load_template(config['chat_template'], config['tokenizer'], config.get('chat_date'))
     cfg = SimpleNamespace(**config, world_size=1, autocast=False, ptdtype=torch.float32, on_policy=True,
-                          environment=None, template=template, eos_ids=stop_ids(enc, template),
-                          truncation=dict(top_k=config['top_k'], top_p=config['top_p']))
+                          environment=None, template=template, eos_ids=stop_ids(enc, template))
+    cfg.truncation = truncation(cfg)
     policy = GPT.from_pretrained(state['dir'])
     ref = GPT.from_pretrained(os.path.join(run, 'warmstart')) if cfg.beta > 0 else None
     rows = load_dataset(cfg.task, 'train', seed=cfg.seed, **cfg.task_options)

@@ -62,12 +62,10 @@ def _token_bytes(enc, i):
 
 def episodes(env, rows, G, cfg, enc):
     """(turns, record, ends): a multi-turn generate's turns callback (engine.py), the record of each row's episode and
-    the ids that end a turn (the eos ids and the environment's stops); (None, None, the eos ids) without env. After
+    the ids that end a turn (the eos ids and the environment's stops); rollout.sample calls it with an env only. After
     each turn the policy ends, env.step(row, text) gives the observation to append (text is the trajectory so far:
     the policy's turns and the observations between them) or None, the end of the episode, as is reaching max_turns
     turns."""
-    if env is None:
-        return None, None, cfg.eos_ids
     record = [dict(observations=[], finished=False) for _ in range(len(rows) * G)]
     stops = tuple(getattr(env, 'stop', ()))
 
@@ -86,19 +84,14 @@ def episodes(env, rows, G, cfg, enc):
 
 
 def counts(record):
-    """Per row: the observations the environment gave, and those that report an error (a malformed call); none
-    without an episode record."""
-    if not record:
-        return {}
+    """Per row: the observations the environment gave, and those that report an error (a malformed call)."""
     return dict(calls=torch.tensor([len(e['observations']) for e in record]),
                 errors=torch.tensor([sum(o.lstrip().startswith('error') for o in e['observations']) for e in record]))
 
 
 def metrics(info, gather):
     """What the log says of the episodes, over all ranks (gather): how often the policy calls the environment, and
-    how often it errs; none in a single-turn run."""
-    if 'calls' not in info:
-        return {}
+    how often it errs (a multi-turn run's: rollout_metrics calls it where info has 'calls')."""
     calls, errors = (gather(info[k].to(torch.float64)).cpu() for k in ('calls', 'errors'))
     return {'env/call_rate': (calls > 0).double().mean().item(), 'env/calls': calls.mean().item(),
             'env/error_share': errors.sum().item() / max(calls.sum().item(), 1.0)}
