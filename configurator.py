@@ -12,15 +12,17 @@ unknown key (with the closest known ones), a value of the wrong type, combinatio
 """
 import ast
 import difflib
+import functools
+import inspect
 import math
 import os
 import sys
 
 import torch
 
-from loss import check_settings
+import loss
 from sampling import check_sampling
-from lib.errors import ConfigError
+from lib.errors import ConfigError, unknown
 
 
 def one_line_errors(kind, value, tb):
@@ -99,19 +101,22 @@ def configure(defaults, argv):
     return config
 
 
+def _need(ok, message):
+    if not ok:
+        raise ConfigError(message)
+
+
 def check_config(c, world_size, distributed=False):
     """Reject combinations that cannot work, before any work starts. c: the config dict;
-    distributed: under torchrun. Then the loss's settings (loss.check_settings) and the sampler's
-    (sampling.check_sampling), each checked there."""
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(msg)
+    distributed: under torchrun. Then the loss's settings (check_loss) and the sampler's
+    (sampling.check_sampling)."""
     choices = dict(lr_schedule=('constant', 'cosine'),
                    dtype=('auto', 'float32', 'float64', 'bfloat16', 'float16'),
                    parallel=('ddp', 'fsdp'), sandbox=('bwrap', 'none'),
                    reward_model_dtype=('float32', 'bfloat16', 'float64'))
     for key, valid in choices.items():
-        need(c[key] in valid, f"unknown {key} '{c[key]}'; choose one of {', '.join(valid)}")
+        if c[key] not in valid:
+            raise unknown(key, c[key], valid)
     # counts and rates that have a range; each message names its key and value
     at_least = dict(num_generations=2, prompts_per_step=1, steps_per_generation=1,
                     micro_batch_size=1, num_iterations=1, max_completion_length=1, max_iters=0,
@@ -123,70 +128,139 @@ def check_config(c, world_size, distributed=False):
                                "of one prompt",
                eval_size="; eval_interval=0 turns evaluation off")
     for key, low in at_least.items():
-        need(c[key] >= low, f"{key}={c[key]} must be >= {low}{why.get(key, '')}")
-    need(c['sft_iters'] is None or c['sft_iters'] >= 0,
+        _need(c[key] >= low, f"{key}={c[key]} must be >= {low}{why.get(key, '')}")
+    _need(c['sft_iters'] is None or c['sft_iters'] >= 0,
          f"sft_iters={c['sft_iters']} must be None or >= 0")
-    need(0 <= c['sft_target_acc'] <= 1,
+    _need(0 <= c['sft_target_acc'] <= 1,
          f"sft_target_acc={c['sft_target_acc']} must be in [0, 1] (0: off)")
-    need(c['sft_check_interval'] >= 1,
+    _need(c['sft_check_interval'] >= 1,
          f"sft_check_interval={c['sft_check_interval']} must be >= 1")
     for key in ('beta1', 'beta2', 'dropout', 'lora_dropout'):
-        need(0 <= c[key] < 1, f"{key}={c[key]} must be in [0, 1)")
-    need(0 <= c['min_lr_ratio'] <= 1, f"min_lr_ratio={c['min_lr_ratio']} must be in [0, 1]")
-    need(c['lora_alpha'] > 0, f"lora_alpha={c['lora_alpha']} must be > 0")
-    need(0 < c['ref_model_mixup_alpha'] <= 1,
+        _need(0 <= c[key] < 1, f"{key}={c[key]} must be in [0, 1)")
+    _need(0 <= c['min_lr_ratio'] <= 1, f"min_lr_ratio={c['min_lr_ratio']} must be in [0, 1]")
+    _need(c['lora_alpha'] > 0, f"lora_alpha={c['lora_alpha']} must be > 0")
+    _need(0 < c['ref_model_mixup_alpha'] <= 1,
          f"ref_model_mixup_alpha={c['ref_model_mixup_alpha']} must be in (0, 1]; "
          f"1 = off (the reference becomes a copy)")
-    need(c['parallel'] != 'fsdp' or distributed,
+    _need(c['parallel'] != 'fsdp' or distributed,
          "parallel='fsdp' shards over torchrun's processes: launch with "
          "torchrun (--nproc_per_node=1 for one GPU), or use parallel='ddp'")
     G, P = c['num_generations'], c['prompts_per_step']
-    need(P % world_size == 0, f"prompts_per_step={P} is not divisible by the {world_size} ranks; "
+    _need(P % world_size == 0, f"prompts_per_step={P} is not divisible by the {world_size} ranks; "
                               f"make it a multiple of {world_size}")
     rows = P // world_size * G  # completions each rank holds per rollout
     spg, mbs = c['steps_per_generation'], c['micro_batch_size']
-    need(rows % (spg * mbs) == 0,
+    _need(rows % (spg * mbs) == 0,
          f"each rank holds prompts_per_step/ranks*num_generations = {rows} completions per "
          f"rollout, which must split into steps_per_generation={spg} optimizer steps of "
          f"micro_batch_size={mbs}; pick micro_batch_size dividing "
          f"{rows // spg if rows % spg == 0 else rows}")
-    need(c['ref_model_mixup_alpha'] == 1 or c['beta'] > 0 and c['ref_sync_every'] > 0,
+    _need(c['ref_model_mixup_alpha'] == 1 or c['beta'] > 0 and c['ref_sync_every'] > 0,
          f"ref_model_mixup_alpha={c['ref_model_mixup_alpha']} blends the policy into the "
          f"reference every ref_sync_every iterations: it needs beta > 0 and ref_sync_every > 0")
     if c['lora_rank']:
-        need(not c['sft_iters'] or c['init_from'] == 'resume',
+        _need(not c['sft_iters'] or c['init_from'] == 'resume',
              f"LoRA adapts a pretrained model, but sft_iters={c['sft_iters']} asks for a full warm "
              f"start first; run that without LoRA and set init_from to its out_dir/warmstart "
              f"(or a Hugging Face model); sft_iters=0")
-        need(not c['ref_sync_every'], "with LoRA the reference is the base model (adapters off), "
+        _need(not c['ref_sync_every'], "with LoRA the reference is the base model (adapters off), "
                                       "which never changes: set ref_sync_every=0")
-    need(not (c['plain'] and c['cuda_graphs']),
+    _need(not (c['plain'] and c['cuda_graphs']),
          "plain=True turns the speed tricks off, cuda_graphs=True turns one on: drop one of them")
-    need(c['reward_clip'] >= 0, f"reward_clip={c['reward_clip']} must be >= 0 (0: off)")
-    need(c['temperature'] > 0, f"temperature={c['temperature']} must be > 0 for RL sampling "
+    _need(c['reward_clip'] >= 0, f"reward_clip={c['reward_clip']} must be >= 0 (0: off)")
+    _need(c['temperature'] > 0, f"temperature={c['temperature']} must be > 0 for RL sampling "
                                f"(log-probs divide by it)")
-    need(c['learning_rate'] > 0 and math.isfinite(c['learning_rate']),
+    _need(c['learning_rate'] > 0 and math.isfinite(c['learning_rate']),
          f"learning_rate={c['learning_rate']} must be a positive number")
     gguf = c['init_from'].endswith('.gguf')
-    need(c['init_from'] in ('scratch', 'resume') or os.path.isdir(c['init_from']) or gguf,
+    _need(c['init_from'] in ('scratch', 'resume') or os.path.isdir(c['init_from']) or gguf,
          f"init_from='{c['init_from']}' is neither 'scratch', 'resume', a Hugging Face checkpoint "
          f"directory nor a .gguf file")
-    need(not gguf or os.path.isfile(c['init_from']),
+    _need(not gguf or os.path.isfile(c['init_from']),
          f"init_from='{c['init_from']}': no such .gguf file")
-    need(c['init_from'] != 'resume' or os.path.exists(os.path.join(c['out_dir'], 'latest')),
+    _need(c['init_from'] != 'resume' or os.path.exists(os.path.join(c['out_dir'], 'latest')),
          f"init_from='resume' but {c['out_dir']} holds no checkpoint; "
          f"start with init_from='scratch'")
     # sft_iters=None warm-starts a model from scratch (sft.default_iters): only 0 leaves it random
-    need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] != 0,
+    _need(c['beta'] == 0 or c['init_from'] != 'scratch' or c['sft_iters'] != 0,
          "beta > 0 needs a reference policy worth staying close to, but init_from='scratch' with "
          "sft_iters=0 starts from random weights; set sft_iters > 0, init_from a checkpoint "
          "directory, or beta=0")
-    need(c['truncate_logprobs'] or (c['top_k'], c['top_p']) != (None, None),
+    _need(c['truncate_logprobs'] or (c['top_k'], c['top_p']) != (None, None),
          "truncate_logprobs=False asks for the full softmax's log-probs rather than those of "
          "top_k/top_p's truncated distribution, but neither is set, so every log-prob is the full "
          "softmax's already: drop it")
-    check_settings(c)
+    check_loss(c)
     check_sampling(c['top_k'], c['top_p'])
+
+
+def check_loss(s):
+    """Refuse loss settings that cannot work, one line naming the setting: s holds some of them
+    (train.py's whole config). Besides grpo_loss's (loss_settings()) it knows the advantages' and
+    the trainer's that the loss depends on: scale_rewards, advantage_estimator,
+    multi_objective_aggregation, kl_in_reward, top_entropy_quantile. Their values and the pairs
+    that would leave one of them ignored: loss.py's functions, called directly, only refuse a name
+    they do not know."""
+    choices = dict(loss_type=loss.LOSS_TYPES, scale_rewards=loss.SCALES,
+                   advantage_estimator=loss.ADVANTAGE_ESTIMATORS, surrogate=loss.SURROGATES,
+                   importance_sampling_level=("token", "sequence"),
+                   kl_estimator=loss.KL_ESTIMATORS, sampler_correction=loss.SAMPLER_CORRECTIONS,
+                   multi_objective_aggregation=("sum_then_normalize", "normalize_then_sum"))
+    for key, valid in choices.items():
+        if key in s and s[key] not in valid:
+            raise unknown(key, s[key], valid)
+    get = lambda key: s.get(key, loss_settings().get(key))  # a setting not given: its default
+    for key in ("beta", "epsilon_low", "epsilon_high", "vespo_k_pos", "vespo_k_neg"):
+        _need(get(key) >= 0, f"{key}={get(key)} must be >= 0")
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos",
+                "vespo_lambda_neg", "sampler_correction_clip_max"):
+        _need(get(key) > 0, f"{key}={get(key)} must be > 0")
+    quantile = s.get("top_entropy_quantile", 1)
+    _need(0 < quantile <= 1, f"top_entropy_quantile={s.get('top_entropy_quantile')} must be in "
+                            f"(0, 1]; 1 = off (every token)")
+    _need(math.isfinite(get("entropy_coef")),
+         f"entropy_coef={get('entropy_coef')} must be a finite number")
+    low, high = get("sampler_correction_clip_min"), get("sampler_correction_clip_max")
+    _need(low is None or 0 <= low < high, f"sampler_correction_clip_min={low} must be None or in "
+                                         f"[0, sampler_correction_clip_max={high})")
+    mask = get("off_policy_mask_threshold")
+    _need(mask is None or mask >= 0,
+         f"off_policy_mask_threshold={mask} must be None or >= 0 (a mean log-ratio)")
+    beta, kl_in_reward, delta = get("beta"), s.get("kl_in_reward", False), get("delta")
+    _need(not (kl_in_reward and beta == 0), "kl_in_reward=True needs beta > 0 (the KL coefficient)")
+    _need(delta is None or delta > 1 + get("epsilon_high"),
+         f"delta={delta} must be None or > 1 + epsilon_high (it caps the ratio above the clip "
+         f"range)")
+    # settings that would be silently ignored, or that contradict another
+    _need(delta is None or get("surrogate") == "clip",
+         f"delta caps PPO's clipped ratio; surrogate='{get('surrogate')}' has none: set delta=None")
+    _need(not (get("surrogate") == "vespo" and get("importance_sampling_level") == "sequence"),
+         "surrogate='vespo' weighs each sequence by its whole ratio already; set "
+         "importance_sampling_level='token'")
+    _need(not get("use_bias_correction_kl") or beta > 0 and not kl_in_reward,
+         "use_bias_correction_kl=True weighs the KL term of the loss: it needs beta > 0 and "
+         "kl_in_reward=False")
+    scale, estimator = s.get("scale_rewards", "none"), s.get("advantage_estimator", "grpo")
+    gdpo = s.get("multi_objective_aggregation") == "normalize_then_sum"
+    for name, on in (("reinforce_pp", estimator == "reinforce_pp"), ("normalize_then_sum", gdpo)):
+        _need(not on or scale == "none",
+             f"{name} normalises the advantages over the batch itself; scale_rewards='{scale}' "
+             f"would scale twice: set scale_rewards='none'")
+    _need(not gdpo or estimator == "grpo" and not kl_in_reward,
+         "multi_objective_aggregation='normalize_then_sum' (GDPO) normalises each reward function "
+         "in its group: it takes advantage_estimator='grpo' and kl_in_reward=False")
+
+
+@functools.lru_cache(maxsize=1)
+def loss_settings():
+    """grpo_loss's settings by name, with their defaults, written once, in its signature:
+    check_loss fills in a setting not given from here, and tests/test_config.py checks that
+    train.py declares each with this default. The tensors and the step's counts are arguments, not
+    settings."""
+    per_step = ("max_completion_length", "num_sequences", "num_tokens", "sampler_logps", "entropy",
+                "entropy_mask")
+    return {name: p.default for name, p in inspect.signature(loss.grpo_loss).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and name not in per_step}
 
 
 def check_fits(config, enc, tokenizer, block_size):

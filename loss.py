@@ -4,7 +4,8 @@ into advantages; grpo_loss composes four stages, each a function of its own belo
 ratio, the policy term (PPO's clip, CISPO, SAPO or VESPO, then the weights and masks on it), the KL
 regulariser and the aggregation over tokens. No model, no I/O; the trainer calls group_advantages
 (or decoupled_advantages) once per batch of rollouts and grpo_loss once per micro-batch. The checks
-of the settings come last, after the mathematics (check_settings).
+of the settings are configurator.py's (check_loss): a bad config is refused once, before any
+work, so the functions here only refuse a name they do not know.
 
 Notation: completion i of a group of G, token t. logp = log pi_theta(token), old_logp from the
 policy that sampled (pi_old), ref_logp from the frozen reference, mask = 1 on tokens that count, A_i
@@ -92,17 +93,18 @@ sums over the step are the step's token means, the same whatever its layout; the
 them (MAX_STATS) are the largest of the micro-batches'.
 """
 
-import functools
-import inspect
 import math
 
 import torch
 
-from lib.errors import ConfigError
+from lib.errors import unknown
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SCALES = ("group", "batch", "none")
+SURROGATES = ("clip", "cispo", "sapo", "vespo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def _mean_std(x, valid):
@@ -136,8 +138,11 @@ def group_advantages(rewards, num_generations, scale_rewards="group", estimator=
     division over-weights groups that are almost all right or all wrong); reinforce_pp has its own
     batch scale and takes "none". Returns (B,) advantages.
     """
-    check_settings(dict(scale_rewards=scale_rewards, advantage_estimator=estimator))
     B, G = rewards.shape[0], num_generations
+    if scale_rewards not in SCALES:
+        raise unknown("scale_rewards", scale_rewards, SCALES)
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise unknown("advantage_estimator", estimator, ADVANTAGE_ESTIMATORS)
     if G < 1 or B % G:
         raise ValueError(f"{B} rewards do not split into groups of num_generations={G}; B must be "
                          f"a multiple of G")
@@ -199,14 +204,15 @@ def kl_divergence(logps, ref_logps, estimator="k3"):
     on-policy samples, their expected gradients differ: k1's is zero, k2's is that of
     KL(pi_theta || pi_ref) and k3's that of KL(pi_ref || pi_theta).
     """
-    check_settings(dict(kl_estimator=estimator))
     # log(pi_ref / pi_theta), clamped so that exp cannot overflow
     log_ratio = (ref_logps - logps).clamp(-20.0, 20.0)
     if estimator == "k1":
         return -log_ratio  # unbiased, but noisy and often negative
     if estimator == "k2":
         return 0.5 * log_ratio ** 2  # biased, low variance
-    return torch.exp(log_ratio) - log_ratio - 1  # unbiased and >= 0: the GRPO paper's choice
+    if estimator == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1  # unbiased and >= 0: the GRPO paper's choice
+    raise unknown("kl_estimator", estimator, KL_ESTIMATORS)
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo", beta=0.0,
@@ -240,10 +246,11 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     tokens / num_tokens), so that their sums over the step's micro-batches and ranks are the step's
     means, whatever its layout; the maxima (MAX_STATS) are this micro-batch's own.
     """
-    args = locals()  # the arguments, before anything else is defined here
-    check_settings({k: args[k] for k in settings()}, combinations=False)
-    check_inputs(logps, ref_logps, advantages, mask, beta)
     B, T = logps.shape
+    if mask.shape != logps.shape or advantages.shape != (B,):
+        raise ValueError(f"shapes do not match: logps {tuple(logps.shape)}, mask "
+                         f"{tuple(mask.shape)}, advantages {tuple(advantages.shape)}; expected "
+                         f"(B, T), (B, T), (B,)")
     valid = mask.bool()  # (B, T)
     lengths = valid.sum(-1)  # (B,)
     A = advantages[:, None]  # (B, 1)
@@ -263,12 +270,15 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         term = cispo_surrogate(ratio, A, logps, epsilon_high)
     elif surrogate == "sapo":
         term = sapo_surrogate(ratio, A, sapo_temperature_pos, sapo_temperature_neg)
-    else:
+    elif surrogate == "vespo":
         term = vespo_surrogate(token_log_ratio, A, logps, vespo_k_pos, vespo_lambda_pos,
                                vespo_k_neg, vespo_lambda_neg)
+    else:
+        raise unknown("surrogate", surrogate, SURROGATES)
     per_token, clipped_low, clipped_high = term
     # then what weighs or drops a token's policy term; the KL below keeps every token
     sampler_gap = torch.where(valid, old_logps.detach() - sampler_logps, 0.0)  # log(pi_old / pi_s)
+    rho = off_policy = None  # the weights and the mask below, where they are on
     if sampler_correction != "none":
         rho = sampler_weight(sampler_gap, sampler_correction, sampler_correction_clip_min,
                              sampler_correction_clip_max)
@@ -281,6 +291,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
 
     # 3. The KL to the reference, on every token (none without a reference: beta = 0)
     kl = torch.zeros_like(logps)
+    if beta != 0 and ref_logps is None:
+        raise ValueError(f"beta={beta} needs ref_logps from a reference model; pass them or set "
+                         f"beta=0")
     if ref_logps is not None:
         kl = kl_penalty(logps, ref_logps, token_log_ratio, kl_estimator, use_bias_correction_kl)
     per_token = torch.where(valid, per_token + beta * kl, 0.0)  # (B, T)
@@ -294,16 +307,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
     if entropy_coef != 0:  # a bonus on the step's mean token entropy, the same for every loss_type
         loss = loss - entropy_coef * torch.where(valid, entropy, 0.0).sum() / num_tokens
 
-    stats = loss_stats(valid, num_tokens, ratio, kl, clipped_low, clipped_high)
-    if reported:
-        stats.update(sampler_stats(valid, num_tokens, sampler_gap, sampler_logps, old_logps))
-    if entropy is not None:
-        stats["entropy"] = _token_share(entropy, valid, num_tokens)
-    if off_policy_mask_threshold is not None:  # the share of tokens, not of sequences
-        stats["off_policy_masked"] = _token_share(off_policy.expand_as(valid), valid, num_tokens)
-    if sampler_correction != "none":
-        stats["sampler_correction/weight"] = _token_share(rho.expand_as(valid), valid, num_tokens)
-    return loss, {k: v.detach() for k, v in stats.items()}
+    stats = loss_stats(valid, num_tokens, ratio=ratio, kl=kl, clipped=(clipped_low, clipped_high),
+                       sampler=(sampler_gap, sampler_logps, old_logps) if reported else None,
+                       entropy=entropy, off_policy=off_policy, rho=rho)
+    return loss, stats
 
 
 # -----------------------------------------------------------------------------
@@ -325,6 +332,8 @@ def importance_ratio(logps, old_logps, valid, level="token"):
         lengths = valid.sum(-1)  # (B,)
         seq_log_ratio = log_ratio.sum(-1, keepdim=True) / lengths.clamp(min=1)[:, None]  # log s_i
         log_ratio = seq_log_ratio.detach() + log_ratio - log_ratio.detach()
+    elif level != "token":
+        raise unknown("importance_sampling_level", level, ("token", "sequence"))
     return torch.exp(log_ratio), token_log_ratio
 
 
@@ -392,6 +401,8 @@ def sampler_weight(sampler_gap, correction, clip_min, clip_max):
     "..._truncate" caps rho at [clip_min, clip_max]; "..._mask" zeroes it outside that range.
     sampler_gap: (B, T) log(pi_old / pi_sampler), 0 on padding. Returns rho, (B, T) or (B, 1).
     """
+    if correction not in SAMPLER_CORRECTIONS:
+        raise unknown("sampler_correction", correction, SAMPLER_CORRECTIONS)
     sequence = correction.startswith("sequence")
     log_rho = sampler_gap.sum(-1, keepdim=True) if sequence else sampler_gap
     rho = log_rho.clamp(max=20).exp()  # no inf: e^20 is far past any cap
@@ -442,8 +453,10 @@ def aggregate(per_token, lengths, loss_type, num_sequences, num_tokens, max_comp
         loss = token_sum.sum() / (num_sequences * max_completion_length)
     elif loss_type == "dapo":
         loss = token_sum.sum() / num_tokens
-    else:  # luspo
+    elif loss_type == "luspo":
         loss = token_sum.sum() / num_sequences
+    else:
+        raise unknown("loss_type", loss_type, LOSS_TYPES)
     return loss
 
 
@@ -451,123 +464,33 @@ def aggregate(per_token, lengths, loss_type, num_sequences, num_tokens, max_comp
 MAX_STATS = ("ratio/max", "sampler/rho_max")
 
 
-def loss_stats(valid, num_tokens, ratio, kl, clipped_low, clipped_high):
+def loss_stats(valid, num_tokens, *, ratio, kl, clipped, sampler, entropy, off_policy, rho):
     """
-    What grpo_loss logs of every micro-batch: its shares of the step's token means (_token_share)
-    and its largest ratio.
+    What grpo_loss logs of every micro-batch, detached: its shares of the step's token means
+    (_token_share) and its largest ratio; then, where they are on, the entropy, the share of
+    tokens masked off-policy or weighed (rho) for the sampler, and the gap between the log-probs
+    the sampler reported and the trainer's own (sampler: (gap, sampler_logps, old_logps); bf16
+    sampling, or the full softmax trained on top-k/top-p samples): their mean distance, k3's
+    KL(sampler || trainer) in float64 (float32's rounding of exp(x) - x - 1 would swamp a gap of
+    a few ulps) and the largest rho = pi_old / pi_sampler.
     """
-    return {
-        "kl": _token_share(kl, valid, num_tokens),
-        "clip_ratio/low": _token_share(clipped_low, valid, num_tokens),
-        "clip_ratio/high": _token_share(clipped_high, valid, num_tokens),
-        "clip_ratio/region": _token_share(clipped_low | clipped_high, valid, num_tokens),
-        "ratio/mean": _token_share(ratio, valid, num_tokens),
+    share = lambda x: _token_share(x.expand_as(valid), valid, num_tokens)
+    low, high = clipped
+    stats = {
+        "kl": share(kl), "clip_ratio/low": share(low), "clip_ratio/high": share(high),
+        "clip_ratio/region": share(low | high), "ratio/mean": share(ratio),
         # ratios are > 0, so a 0 marks a micro-batch without a token that counts
         "ratio/max": torch.where(valid, ratio, 0.0).max(),
     }
-
-
-def sampler_stats(valid, num_tokens, sampler_gap, sampler_logps, old_logps):
-    """
-    The gap between the log-probs the sampler reported and the trainer's own (bf16 sampling, or the
-    full softmax trained on top-k/top-p samples): their mean distance and k3's KL(sampler ||
-    trainer) as shares of the step's token means, and the largest rho = pi_old / pi_sampler. In
-    float64, where float32's rounding of exp(x) - x - 1 would swamp a gap of a few ulps.
-    """
-    kl_gap = kl_divergence(sampler_logps.double(), old_logps.detach().double())  # (B, T)
-    return {"sampler/logp_diff": _token_share(sampler_gap.abs(), valid, num_tokens),
-            "sampler/kl": _token_share(kl_gap, valid, num_tokens),
-            "sampler/rho_max": torch.where(valid, sampler_gap, -math.inf).max().exp()}
-
-
-# -----------------------------------------------------------------------------
-# the checks: settings that cannot work, refused before any work with one line that names them
-
-def check_inputs(logps, ref_logps, advantages, mask, beta):
-    """grpo_loss's tensors fit together: a ValueError naming them otherwise."""
-    if beta != 0 and ref_logps is None:
-        raise ValueError(f"beta={beta} needs ref_logps from a reference model; pass them or set "
-                         f"beta=0")
-    if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
-        raise ValueError(f"shapes do not match: logps {tuple(logps.shape)}, mask "
-                         f"{tuple(mask.shape)}, advantages {tuple(advantages.shape)}; expected "
-                         f"(B, T), (B, T), (B,)")
-
-
-def check_settings(s, combinations=True):
-    """
-    Refuse loss settings that cannot work, one line naming the setting: s is a dict of some of them
-    (train.py's whole config before any work; grpo_loss and group_advantages check their own
-    arguments with it too). Besides grpo_loss's settings (settings()) it knows the advantages' and
-    the trainer's that the loss depends on: scale_rewards, advantage_estimator,
-    multi_objective_aggregation, kl_in_reward, top_entropy_quantile. combinations=False checks each
-    value alone, not the pairs that would leave one of them ignored.
-    """
-    def need(ok, message):
-        if not ok:
-            raise ConfigError(message)
-    choices = dict(loss_type=LOSS_TYPES, scale_rewards=("group", "batch", "none"),
-                   advantage_estimator=ADVANTAGE_ESTIMATORS,
-                   surrogate=("clip", "cispo", "sapo", "vespo"),
-                   importance_sampling_level=("token", "sequence"), kl_estimator=("k1", "k2", "k3"),
-                   sampler_correction=SAMPLER_CORRECTIONS,
-                   multi_objective_aggregation=("sum_then_normalize", "normalize_then_sum"))
-    for key, valid in choices.items():
-        need(key not in s or s[key] in valid,
-             f"unknown {key} '{s.get(key)}'; choose one of {', '.join(valid)}")
-    get = lambda key: s.get(key, settings().get(key))  # a setting not given: its default
-    for key in ("beta", "epsilon_low", "epsilon_high", "vespo_k_pos", "vespo_k_neg"):
-        need(get(key) >= 0, f"{key}={get(key)} must be >= 0")
-    for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos",
-                "vespo_lambda_neg", "sampler_correction_clip_max"):
-        need(get(key) > 0, f"{key}={get(key)} must be > 0")
-    quantile = s.get("top_entropy_quantile", 1)
-    need(0 < quantile <= 1, f"top_entropy_quantile={s.get('top_entropy_quantile')} must be in "
-                            f"(0, 1]; 1 = off (every token)")
-    need(math.isfinite(get("entropy_coef")),
-         f"entropy_coef={get('entropy_coef')} must be a finite number")
-    low, high = get("sampler_correction_clip_min"), get("sampler_correction_clip_max")
-    need(low is None or 0 <= low < high, f"sampler_correction_clip_min={low} must be None or in "
-                                         f"[0, sampler_correction_clip_max={high})")
-    mask = get("off_policy_mask_threshold")
-    need(mask is None or mask >= 0,
-         f"off_policy_mask_threshold={mask} must be None or >= 0 (a mean log-ratio)")
-    if not combinations:
-        return
-    beta, kl_in_reward, delta = get("beta"), s.get("kl_in_reward", False), get("delta")
-    need(not (kl_in_reward and beta == 0), "kl_in_reward=True needs beta > 0 (the KL coefficient)")
-    need(delta is None or delta > 1 + get("epsilon_high"),
-         f"delta={delta} must be None or > 1 + epsilon_high (it caps the ratio above the clip "
-         f"range)")
-    # settings that would be silently ignored, or that contradict another
-    need(delta is None or get("surrogate") == "clip",
-         f"delta caps PPO's clipped ratio; surrogate='{get('surrogate')}' has none: set delta=None")
-    need(not (get("surrogate") == "vespo" and get("importance_sampling_level") == "sequence"),
-         "surrogate='vespo' weighs each sequence by its whole ratio already; set "
-         "importance_sampling_level='token'")
-    need(not get("use_bias_correction_kl") or beta > 0 and not kl_in_reward,
-         "use_bias_correction_kl=True weighs the KL term of the loss: it needs beta > 0 and "
-         "kl_in_reward=False")
-    scale, estimator = s.get("scale_rewards", "none"), s.get("advantage_estimator", "grpo")
-    gdpo = s.get("multi_objective_aggregation") == "normalize_then_sum"
-    for name, on in (("reinforce_pp", estimator == "reinforce_pp"), ("normalize_then_sum", gdpo)):
-        need(not on or scale == "none",
-             f"{name} normalises the advantages over the batch itself; scale_rewards='{scale}' "
-             f"would scale twice: set scale_rewards='none'")
-    need(not gdpo or estimator == "grpo" and not kl_in_reward,
-         "multi_objective_aggregation='normalize_then_sum' (GDPO) normalises each reward function "
-         "in its group: it takes advantage_estimator='grpo' and kl_in_reward=False")
-
-
-@functools.lru_cache(maxsize=1)
-def settings():
-    """
-    grpo_loss's settings by name, with their defaults, written once, in its signature:
-    check_settings fills in a setting not given from here, and tests/test_config.py checks that
-    train.py declares each with this default. The tensors and the step's counts are arguments, not
-    settings.
-    """
-    per_step = ("max_completion_length", "num_sequences", "num_tokens", "sampler_logps", "entropy",
-                "entropy_mask")
-    return {name: p.default for name, p in inspect.signature(grpo_loss).parameters.items()
-            if p.kind is p.KEYWORD_ONLY and name not in per_step}
+    if sampler is not None:
+        gap, sampler_logps, old_logps = sampler
+        kl_gap = kl_divergence(sampler_logps.double(), old_logps.detach().double())  # (B, T)
+        stats.update({"sampler/logp_diff": share(gap.abs()), "sampler/kl": share(kl_gap),
+                      "sampler/rho_max": torch.where(valid, gap, -math.inf).max().exp()})
+    if entropy is not None:
+        stats["entropy"] = share(entropy)
+    if off_policy is not None:  # the share of tokens, not of sequences
+        stats["off_policy_masked"] = share(off_policy)
+    if rho is not None:
+        stats["sampler_correction/weight"] = share(rho)
+    return {k: v.detach() for k, v in stats.items()}

@@ -10,6 +10,11 @@ class ConfigError(ValueError):
     train.py prints it as one line, `error: ...`; every other exception keeps its traceback (a bug's, a fork's)."""
 
 
+def unknown(key, value, valid):
+    """The error for a setting whose value is none of its choices: it lists them."""
+    return ConfigError(f"unknown {key} '{value}'; choose one of {', '.join(valid)}")
+
+
 def need_package(name, why):
     """Import an optional package (wandb, gguf) where it is asked for, or say in one line how to install it."""
     try:

@@ -5,8 +5,7 @@ import os
 import pytest
 
 import sft
-from configurator import ConfigError, check_config, configure
-from loss import check_settings, settings
+from configurator import ConfigError, check_config, check_loss, configure, loss_settings
 from sampling import check_sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +37,7 @@ DEFAULTS = train_defaults()
 
 def test_defaults_and_every_recipe_pass_the_checks():
     check_config(configure(DEFAULTS, []), world_size=1)
-    check_settings(configure(DEFAULTS, []))
+    check_loss(configure(DEFAULTS, []))
     for name in sorted(os.listdir(os.path.join(ROOT, 'config'))):
         try:
             c = configure(DEFAULTS, [os.path.join(ROOT, 'config', name)])
@@ -48,13 +47,13 @@ def test_defaults_and_every_recipe_pass_the_checks():
         if c['init_from'] != 'scratch':  # GPU recipes: the weights are the user's to download
             c['init_from'] = 'scratch'
         check_config(c, world_size=8 if 'gpt2' in name else 2)
-        check_settings(c)
+        check_loss(c)
 
 
 def test_every_knob_is_declared_in_train_py_with_the_loss_s_own_defaults():
     """One home for every setting: train.py's globals declare grpo_loss's keywords with grpo_loss's defaults (but
     loss_type, the default run's choice), the warm start's and LoRA's keys; nothing reaches the config otherwise."""
-    loss = settings()
+    loss = loss_settings()
     for name, default in loss.items():
         assert name in DEFAULTS, f"grpo_loss's {name} is not declared in train.py"
         if name != 'loss_type':
@@ -74,8 +73,8 @@ def test_train_py_passes_every_loss_setting_to_grpo_loss_by_name():
     assert len(calls) == 1, "train.py binds grpo_loss's settings once: functools.partial(grpo_loss, ...)"
     passed = {k.arg: k.value for k in calls[0].keywords}
     assert None not in passed, "no **kwargs: every setting by name"
-    assert set(settings()) <= set(passed), f"not passed: {sorted(set(settings()) - set(passed))}"
-    for name in set(settings()) - {'beta'}:
+    assert set(loss_settings()) <= set(passed), f"not passed: {sorted(set(loss_settings()) - set(passed))}"
+    for name in set(loss_settings()) - {'beta'}:
         assert isinstance(passed[name], ast.Name) and passed[name].id == name, name
 
 
@@ -166,6 +165,6 @@ def test_impossible_combinations(overrides, world, message):
     c.update(overrides)
     with pytest.raises(ConfigError) as e:  # train.py's checks before any work: the trainer's, then the loss's
         check_config(c, world)
-        check_settings(c)
+        check_loss(c)
         check_sampling(c['top_k'], c['top_p'])
     assert message in str(e.value)

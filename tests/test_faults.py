@@ -41,7 +41,7 @@ def nan_on(calls):
     """A grpo_loss that returns NaN on the given call numbers (1-based), the real loss otherwise."""
     real, count = loss.grpo_loss, [0]
 
-    @functools.wraps(real)  # its signature is loss.settings()'s
+    @functools.wraps(real)  # its signature is configurator.loss_settings()'s
     def grpo_loss(*args, **kwargs):
         out, stats = real(*args, **kwargs)
         count[0] += 1

@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from loss import (LOSS_TYPES, decoupled_advantages, entropy_threshold, grpo_loss, group_advantages,  # noqa: E402
                   kl_divergence)
+from configurator import check_loss  # noqa: E402
 
 DT = torch.float64
 NAN = float("nan")
@@ -674,8 +675,8 @@ def test_bad_input_is_a_clear_error():
         group_advantages(torch.zeros(4), 2, "std")
     with pytest.raises(ValueError, match="grpo, rloo, reinforce_pp"):
         group_advantages(torch.zeros(4), 2, "none", "ppo")
-    with pytest.raises(ValueError, match="set scale_rewards='none'"):
-        group_advantages(torch.zeros(4), 2, "group", "reinforce_pp")
+    with pytest.raises(ValueError, match="set scale_rewards='none'"):  # the config's check
+        check_loss(dict(scale_rewards="group", advantage_estimator="reinforce_pp"))
 
 
 def test_is_flat_for_any_group_size():
