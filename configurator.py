@@ -203,7 +203,7 @@ def check_loss(s):
     they do not know."""
     choices = dict(loss_type=loss.LOSS_TYPES, scale_rewards=loss.SCALES,
                    advantage_estimator=loss.ADVANTAGE_ESTIMATORS, surrogate=loss.SURROGATES,
-                   importance_sampling_level=("token", "sequence"),
+                   importance_sampling_level=loss.SAMPLING_LEVELS,
                    kl_estimator=loss.KL_ESTIMATORS, sampler_correction=loss.SAMPLER_CORRECTIONS,
                    multi_objective_aggregation=("sum_then_normalize", "normalize_then_sum"))
     for key, valid in choices.items():

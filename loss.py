@@ -105,6 +105,7 @@ SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncat
 SCALES = ("group", "batch", "none")
 SURROGATES = ("clip", "cispo", "sapo", "vespo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+SAMPLING_LEVELS = ("token", "sequence")
 
 
 def _mean_std(x, valid):
@@ -333,7 +334,7 @@ def importance_ratio(logps, old_logps, valid, level="token"):
         seq_log_ratio = log_ratio.sum(-1, keepdim=True) / lengths.clamp(min=1)[:, None]  # log s_i
         log_ratio = seq_log_ratio.detach() + log_ratio - log_ratio.detach()
     elif level != "token":
-        raise unknown("importance_sampling_level", level, ("token", "sequence"))
+        raise unknown("importance_sampling_level", level, SAMPLING_LEVELS)
     return torch.exp(log_ratio), token_log_ratio
 
 
