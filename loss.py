@@ -291,10 +291,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type="grpo"
         per_token = torch.where(entropy_mask, per_token, 0.0)
 
     # 3. The KL to the reference, on every token (none without a reference: beta = 0)
-    kl = torch.zeros_like(logps)
     if beta != 0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps from a reference model; pass them or set "
                          f"beta=0")
+    kl = torch.zeros_like(logps)
     if ref_logps is not None:
         kl = kl_penalty(logps, ref_logps, token_log_ratio, kl_estimator, use_bias_correction_kl)
     per_token = torch.where(valid, per_token + beta * kl, 0.0)  # (B, T)

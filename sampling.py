@@ -135,7 +135,8 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
         h = model.hidden(idx[:, :int(newest.max()) + 1])  # (N, T, C)
         logits = model.lm_head(h[every_row, newest])  # (N, vocab_size)
         tok, logp = sample(logits, temperature, top_k, top_p, uniforms[step])
-        tokens.append(tok.masked_fill(done, fill)), logps.append(logp.masked_fill(done, 0.0))
+        tokens.append(tok.masked_fill(done, fill))
+        logps.append(logp.masked_fill(done, 0.0))
         mask.append(~done)
         newest = newest + 1
         idx[every_row, newest] = tokens[-1]

@@ -9,7 +9,6 @@ import json
 import os
 import resource
 import time
-from contextlib import contextmanager
 
 import torch
 
