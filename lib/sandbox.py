@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import json
 import math
 import os
 import resource
@@ -30,6 +31,8 @@ SANDBOXES = ('bwrap', 'none')  # train.py's sandbox: bubblewrap, or the program 
 # with sandbox='none', a few lines of Python), which then runs the program: no process of it can raise them again
 # (it holds no capabilities). Set in there, not on bwrap, so that RLIMIT_NPROC counts this sandbox's processes
 # alone (the kernel counts a uid's processes per user namespace) and never exempts root's (which it does outside one).
+# That first process is the sandbox's pid 1 (bwrap --as-pid-1, no init of bwrap's): every process in the sandbox
+# descends from it, so none is outside the limits, and none is left for the program to take over.
 LIMITS = ("AS", "CPU", "NPROC", "FSIZE", "NOFILE", "CORE", "SIGPENDING", "MSGQUEUE")
 _PRELUDE = """import os, resource, sys
 for name, value in zip(sys.argv[1::2], sys.argv[2::2]):
@@ -47,11 +50,14 @@ def _limited(exe, values):
 
 
 # System calls refused (EPERM) by the sandbox's seccomp filter. Each would let a program hold kernel memory that no
-# limit of a process counts (SysV IPC, POSIX message queues, memfds, POSIX timers, inotify watches, keys), or open
-# far more of the kernel to attack (io_uring, bpf, perf, userfaultfd, namespaces, mounts, ptrace, modules).
+# limit of a process counts (SysV IPC, POSIX message queues, memfds, POSIX timers, inotify watches, keys), take a
+# host-wide count that the host's own programs need or leave a note in it for the next call (legacy AIO's
+# fs.aio-nr), read the host's kernel log (syslog, whatever dmesg_restrict says), or open far more of the kernel
+# to attack (io_uring, bpf, perf, userfaultfd, namespaces, mounts, ptrace, modules).
 DENIED = """shmget shmat shmdt shmctl msgget msgsnd msgrcv msgctl semget semop semtimedop semctl mq_open mq_unlink
 mq_timedsend mq_timedreceive mq_notify mq_getsetattr memfd_create memfd_secret timer_create inotify_init
-inotify_init1 fanotify_init keyctl add_key request_key io_uring_setup io_uring_enter io_uring_register bpf
+inotify_init1 fanotify_init keyctl add_key request_key io_setup io_destroy io_submit io_cancel io_getevents
+io_pgetevents syslog io_uring_setup io_uring_enter io_uring_register bpf
 perf_event_open userfaultfd unshare setns mount umount2 pivot_root open_tree move_mount fsopen fsconfig fsmount
 fspick mount_setattr ptrace process_vm_readv process_vm_writev kexec_load kexec_file_load init_module finit_module
 delete_module""".split()
@@ -151,16 +157,18 @@ _MOUNT = 'mount -n -t tmpfs -o "$1" nanogrpo "$2" && shift 2 && exec "$@"'
 _FAILED = ("bwrap: ", "unshare: ", "mount: ")  # how the sandbox's own tools say that they failed
 
 
-def _sandbox(python_exe, box, seccomp_fd):
+def _sandbox(python_exe, box, seccomp_fd, info_fd):
     """The command line that runs the rest in the sandbox: the tmpfs mounted on the directory box, then bwrap with
     new user, PID, network, IPC, UTS and cgroup namespaces, no user namespaces within, no capabilities, the seccomp
-    filter read from seccomp_fd, the program its own session and killed with us; a root holding /usr, the library
+    filter read from seccomp_fd, the program its own session and killed with us, the program the PID namespace's
+    init (pid 1), whose host pid bwrap writes to info_fd; a root holding /usr, the library
     directories and python_exe's installation, all read-only, a proc of its own, a minimal read-only /dev, and the
     tmpfs as /tmp and /dev/shm."""
     options = f"size={TMPFS_MB}m,nr_inodes={TMPFS_FILES},mode=1777"
     argv = [shutil.which("unshare"), "--user", "--map-root-user", "--mount", "--", "/bin/sh", "-c", _MOUNT, "sh",
             options, box, bwrap(), "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--unshare-cgroup", "--cap-drop", "ALL", "--die-with-parent",
+            "--as-pid-1", "--info-fd", str(info_fd),
             "--new-session", "--seccomp", str(seccomp_fd), "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname",
             "sandbox", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", "--ro-bind",
             "/usr", "/usr"]
@@ -251,18 +259,19 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
     limits = (memory_mb * 2 ** 20, math.ceil(timeout) + 1, MAX_PROCESSES, MAX_FILE_MB * 2 ** 20, MAX_OPEN_FILES, 0,
               MAX_PROCESSES * 8, 0)  # LIMITS' values
     with tempfile.TemporaryDirectory(prefix="nanogrpo-python-", ignore_cleanup_errors=True) as workdir, \
-            open(os.path.join(workdir, "main.py"), "w+b") as program, _pipes(3) as (pipes, close):
+            open(os.path.join(workdir, "main.py"), "w+b") as program, _pipes(4) as (pipes, close):
         program.write(code.encode("utf-8", errors="replace"))
         program.flush()
         program.seek(0)  # bwrap reads it from here
-        (out, out_w), (err, err_w), (rules, rules_w) = pipes
+        (out, out_w), (err, err_w), (rules, rules_w), (info, info_w) = pipes
         argv, fds = _limited(exe, limits), [program.fileno()]
         as_nobody = {}
         if isolated:  # main.py copied in from an open file: the program never sees our directory
             os.write(rules_w, seccomp_filter())
             close(rules_w)
-            argv = _sandbox(exe, workdir, rules) + ["--ro-bind-data", str(program.fileno()), "/tmp/main.py"] + argv
-            fds.append(rules)
+            argv = _sandbox(exe, workdir, rules, info_w) + ["--ro-bind-data", str(program.fileno()),
+                                                           "/tmp/main.py"] + argv
+            fds += [rules, info_w]
             if os.geteuid() == 0:  # nobody mounts the tmpfs on workdir, and runs the rest
                 os.chmod(workdir, 0o711)
                 as_nobody = dict(user=NOBODY, group=NOBODY, extra_groups=[])
@@ -272,14 +281,13 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
                                     env=dict(PATH="/usr/bin:/bin", LANG="C.UTF-8"), **as_nobody)
         except OSError as e:
             return f"error: could not start python: {e}"
-        for fd in (out_w, err_w):  # the program's ends only: an end of file once it (and all its children) closes them
+        for fd in (out_w, err_w, info_w):  # the program's ends only: an end of file once it (and all its children) closes them
             close(fd)
+        init = _init(info, proc) if isolated else None
         try:
             stdout, stderr, stopped = _collect(proc, (out, err), timeout, 4 * max_output)
-        finally:  # bwrap's end ends the sandbox (--die-with-parent, then its PID namespace); 'none': its group
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        finally:
+            _end(proc, init)
     stdout, stderr = stdout.decode("utf-8", errors="replace"), stderr.decode("utf-8", errors="replace")
     # bwrap passes a signal's death on as 128 + its number (as a shell does: an exit code of 129 reads the same)
     status = proc.returncode - 128 if isolated and proc.returncode > 128 else -proc.returncode
@@ -297,6 +305,43 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
                f"error: out of memory (the limit is {memory_mb} MB)" if tail.rstrip().endswith("MemoryError") else
                f"error: exited with code {proc.returncode}" if not stderr.strip() else "")  # a traceback says it
     return "\n".join(p.rstrip("\n") for p in (cut(stdout, max_output - len(tail)), tail, failure) if p.strip())
+
+
+def _init(info, proc):
+    """A pidfd of the sandbox's pid 1 (the program, or what it became), whose host pid bwrap writes to the pipe info
+    as soon as it has made it (then closes it); None if bwrap ended before. The pid is bwrap's child when the pidfd
+    is taken, so the pidfd is that process's: a pid that bwrap had already reaped could be anyone's by now."""
+    text, at_end = bytearray(), False
+    while not at_end and select.select([info], [], [], 10)[0]:
+        at_end = _read(info, text, 4096, first=True, drain=True)[1]
+    with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
+        pid = json.loads(text)["child-pid"]
+        pidfd = os.pidfd_open(pid)
+        if _parent(pid) == proc.pid:
+            return pidfd
+        os.close(pidfd)
+    return None
+
+
+def _parent(pid):
+    """pid's parent, from /proc/PID/stat (its command's name, in parentheses, may hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
+
+
+def _end(proc, init):
+    """End the call: the sandbox's pid 1 killed by its pidfd (init), which the kernel answers by killing every
+    other process of its PID namespace before pid 1 is gone; then bwrap ('none': the program's process group).
+    Nothing the program does undoes this: a kill from outside its PID namespace reaches its pid 1, and the
+    program can neither hide from that namespace nor leave it."""
+    if init is not None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(init, signal.SIGKILL)
+        select.select([init], [], [], 10)  # readable once it has ended, and so has everything in its namespace
+        os.close(init)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @contextlib.contextmanager

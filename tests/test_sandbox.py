@@ -71,10 +71,10 @@ def test_its_root_holds_the_interpreter_only():
 
 @needs_sandbox
 def test_sees_no_host_process():
-    """Its own /proc: bwrap's init (1) and the program (2), never the trainer, whose command line it cannot read."""
+    """Its own /proc: the program alone, as pid 1; never the trainer, whose command line it cannot read."""
     out = python("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
                  f"print(os.path.exists('/proc/{os.getpid()}/cmdline'))")
-    assert out == "[1, 2]\nFalse\n"
+    assert out == "[1]\nFalse\n"
 
 
 @needs_sandbox
@@ -135,8 +135,8 @@ def test_two_sandboxes_at_once_cannot_see_each_other():
                           "print(os.path.exists('/tmp/secret.txt'))\nopen('/tmp/intruder.txt', 'w').write('x')")
     thread.join()
     pids, cmdlines, seen, _ = results["B"].split("\n")
-    assert pids == "['1', '2']" and "secret" not in cmdlines and seen == "False"
-    assert results["A"] == "2\n['main.py', 'secret.txt']\n"
+    assert pids == "['1']" and "secret" not in cmdlines and seen == "False"
+    assert results["A"] == "1\n['main.py', 'secret.txt']\n"
 
 
 # -----------------------------------------------------------------------------
@@ -414,3 +414,131 @@ def test_fuzzed_programs_run_and_come_back_bounded():
     assert time.perf_counter() - start < 40 * 3
     assert python("raise SystemExit(200)") == "error: exited with code 200"  # 128 + 72, yet no signal
     assert python("import os; os._exit(137)") == "error: killed by SIGKILL"  # bwrap cannot tell these apart
+
+
+# -----------------------------------------------------------------------------
+# round three (issue 54): the sandbox's own pid 1, a process that outlives the call, host-wide counters, host paths
+
+x86_64 = pytest.mark.skipif(os.uname().machine != "x86_64", reason="the hijack's machine code is x86-64's")
+HIJACK = """import os, struct
+# execve("/bin/sh", ["/bin/sh", "-c", COMMAND], NULL), its strings after the code, reached RIP-relative
+code = (b"\\x31\\xd2" + b"\\x48\\x8d\\x3d" + struct.pack("<i", 29) + b"\\x48\\x8d\\x0d" + struct.pack("<i", 30)
+        + b"\\x4c\\x8d\\x05" + struct.pack("<i", 26) + b"\\x52\\x41\\x50\\x51\\x57\\x48\\x89\\xe6"
+        + b"\\xb8\\x3b\\x00\\x00\\x00\\x0f\\x05" + b"/bin/sh\\0" + b"-c\\0" + COMMAND.encode() + b"\\0")
+child = os.fork()
+if child == 0:
+    import time
+    time.sleep(0.2)
+    pc = int(open("/proc/1/syscall").read().split()[-1], 16)
+    with open("/proc/1/mem", "r+b", buffering=0) as mem:
+        mem.seek(pc)
+        mem.write(code)
+    os._exit(0)
+os.waitpid(child, 0)
+"""
+
+
+def hijack_pid_1(python_code, token):
+    """A program that takes over the sandbox's pid 1 as the issue's attacker did: a child reads where pid 1 waits
+    (the instruction pointer in /proc/1/syscall: pid 1 waits for a child), writes there through /proc/1/mem x86-64
+    code that execs `python -c python_code token`, and exits; pid 1 runs that code when its wait returns. Whoever
+    pid 1 is, bwrap's init or the program itself, the new Python is pid 1."""
+    command = f'exec {sandbox.interpreter()} -c "{python_code}" {token}'
+    return f"COMMAND = {command!r}\n" + HIJACK
+
+
+def processes_holding(token):
+    """The host's processes whose command line holds token."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if token.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+SURVIVOR = ("import ctypes, resource, time; ctypes.CDLL(None).prctl(1, 0); "
+            "print('pid 1', resource.getrlimit(resource.RLIMIT_AS), flush=True); time.sleep(30)")
+
+
+@needs_sandbox
+@x86_64
+def test_a_program_that_takes_over_pid_1_is_still_limited_and_gone_with_the_call():
+    """The issue's attack: pid 1 was bwrap's init, outside every limit (it ran 600 MB where the limit was 256), and
+    the hijacked init, its parent-death signal reset and in a session of its own, outlived the call. Now the
+    program is pid 1, under the limits, and the call kills it by its host pid: nothing of the sandbox is left."""
+    token = f"nanogrpo-survivor-{os.getpid()}"
+    try:
+        out = python(hijack_pid_1(SURVIVOR, token), timeout=2)
+        assert out == f"pid 1 {(256 * 2 ** 20, 256 * 2 ** 20)}\nerror: timed out after 2 s", out
+        assert processes_holding(token) == []
+    finally:
+        for pid in processes_holding(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+@needs_sandbox
+def test_a_daemon_does_not_outlive_the_call():
+    """A grandchild that resets its parent-death signal and starts a session of its own: gone when the call is."""
+    token = f"nanogrpo-daemon-{os.getpid()}"
+    daemon = (f"import ctypes, os, subprocess, sys\nif os.fork() == 0:\n    os.setsid()\n"
+              f"    subprocess.Popen([sys.executable, '-c', {SURVIVOR!r}, {token!r}])\n    os._exit(0)\n"
+              f"import time\ntime.sleep(0.5)\nprint('started')")
+    try:
+        assert python(daemon, timeout=3).endswith("started\n")
+        assert processes_holding(token) == []
+    finally:
+        for pid in processes_holding(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+IO_SETUP = {"x86_64": 206, "aarch64": 0}.get(os.uname().machine)
+
+
+@needs_sandbox
+@pytest.mark.skipif(IO_SETUP is None, reason="io_setup's number is written for x86-64 and arm64")
+def test_legacy_aio_is_refused():
+    """io_setup took the host-wide fs.aio-nr to its maximum: the host's own io_setup then failed (EAGAIN)."""
+    assert c_call(f"libc.syscall({IO_SETUP}, 128, ctypes.byref(ctypes.c_ulong()))") == "-1 1\n"
+
+
+@needs_sandbox
+@x86_64
+def test_no_note_for_the_next_call_in_a_host_wide_counter():
+    """A survivor of the call held 1,234 AIO events; the next call read 1,234 in its /proc/sys/fs/aio-nr."""
+    token = f"nanogrpo-note-{os.getpid()}"
+    note = ("import ctypes, time; ctypes.CDLL(None).prctl(1, 0); "
+            f"ctypes.CDLL(None).syscall({IO_SETUP}, 1234, ctypes.byref(ctypes.c_ulong())); time.sleep(30)")
+    try:
+        before = Path("/proc/sys/fs/aio-nr").read_text()
+        python(hijack_pid_1(note, token), timeout=2)
+        assert python("print(open('/proc/sys/fs/aio-nr').read(), end='')") == before
+    finally:
+        for pid in processes_holding(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+@needs_sandbox
+@pytest.mark.parametrize("action", [10, 3])  # SYSLOG_ACTION_SIZE_BUFFER, SYSLOG_ACTION_READ_ALL
+def test_the_kernel_log_is_refused_whatever_dmesg_restrict_says(action):
+    assert c_call(f"libc.klogctl({action}, ctypes.create_string_buffer(4096), 4096)") == "-1 1\n"
+
+
+@needs_sandbox
+def test_shows_no_host_path():
+    """/proc/1's command line showed bwrap's host path and the call's directory, /proc/1/exe opened the host's
+    bwrap: no file under any process's /proc (command line, environment, maps, mounts, links) names either, nor
+    the trainer's source or its virtualenv."""
+    look = ("import os\nfor pid in [p for p in os.listdir('/proc') if p.isdigit()] + ['self']:\n"
+            "    for name in ('cmdline', 'environ', 'maps', 'mountinfo', 'mounts', 'stat', 'status'):\n"
+            "        print(open(f'/proc/{pid}/{name}', 'rb').read())\n"
+            "    for name in ('exe', 'cwd', 'root'):\n"
+            "        print(os.readlink(f'/proc/{pid}/{name}'))\n"
+            "    print(os.stat(f'/proc/{pid}/exe').st_size)")
+    out = python(look, max_output=10 ** 6)
+    assert "/proc/self/status" not in out and "Error" not in out, out[-2000:]
+    hosts = [os.path.dirname(sandbox.bwrap()), "nanogrpo-python-", ROOT]
+    assert [path for path in hosts if path in out] == []
+    assert str(os.stat(sandbox.bwrap()).st_size) not in out.splitlines()
