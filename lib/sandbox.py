@@ -281,7 +281,8 @@ def python(code, timeout=5.0, memory_mb=256, max_output=2000, sandbox="bwrap"):
                                     env=dict(PATH="/usr/bin:/bin", LANG="C.UTF-8"), **as_nobody)
         except OSError as e:
             return f"error: could not start python: {e}"
-        for fd in (out_w, err_w, info_w):  # the program's ends only: an end of file once it (and all its children) closes them
+        # the program's ends only: an end of file once it (and all its children) closes them
+        for fd in (out_w, err_w, info_w):
             close(fd)
         init = _init(info, proc) if isolated else None
         try:
