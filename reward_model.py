@@ -25,7 +25,7 @@ from configurator import check_fits
 from model import GPT, GPTConfig
 from rollout import micro_batches, pack
 from lib import hf
-from lib.chat import apply_chat_template, check_template, checkpoint_template, render_answered
+from lib.chat import check_template, checkpoint_template, encode_chat, prompt_messages
 from lib.errors import ConfigError
 from lib.tokenizer import get_tokenizer
 
@@ -119,10 +119,6 @@ def classifier_scores(model, head, pad, rows, groups, cfg):
     return F.linear(last_hidden(model, rows, groups, cfg), head).squeeze(1).float()
 
 
-def _ids(enc, text):
-    return enc.encode(text, allowed_special='all')
-
-
 def reward_fn(name, cfg):
     """The reward function that reward_funcs' entry `name` ('rm:DIR' or 'judge:PATH') names, its
     model loaded and checked now, before any rollout."""
@@ -146,7 +142,8 @@ def reward_fn(name, cfg):
     enc = get_tokenizer(path)
     check_template(template, enc, path)
     if kind == 'judge':
-        tokens = [_ids(enc, t) for t in cfg.judge_tokens]
+        tokens = [enc.encode(t, allowed_special='all')
+                  for t in cfg.judge_tokens]
         if len(tokens) < 2 or any(len(t) != 1 for t in tokens):
             raise ConfigError(f"judge_tokens={cfg.judge_tokens!r}: give two or more strings "
                               f"that are one token each in {path}'s tokenizer "
@@ -162,17 +159,19 @@ def reward_fn(name, cfg):
     model.to(device)
     head = head.to(device) if kind == 'rm' else None
 
+    # only the template's own text makes special tokens: the
+    # prompt's, the completion's and judge_prompt's are text,
+    # so a completion spelling '<|im_end|>' forges no turn
     def score(prompts, completions, **columns):
         if kind == 'rm':
-            rows = [_ids(enc, render_answered(template, p, c))
+            rows = [encode_chat(template, answered(p, c), enc)
                     for p, c in zip(prompts, completions)]
             s = classifier_scores(model, head, pad, rows, list(map(str, prompts)), cfg)
             s = s.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else s
         else:
             asked = [_ask(cfg.judge_prompt, p, c) for p, c in zip(prompts, completions)]
-            asked = [[dict(role='user', content=q)] for q in asked]
-            rows = [_ids(enc, apply_chat_template(template, q, add_generation_prompt=True))
-                    for q in asked]
+            rows = [encode_chat(template, [dict(role='user', content=q)], enc,
+                                add_generation_prompt=True) for q in asked]
             # P(token) / P(any of them): the softmax over the judge tokens' logits alone, in float32
             h = last_hidden(model, rows, list(map(str, prompts)), cfg).float()  # (n, n_embd)
             p = (h @ model.lm_head.weight[ids].float().t()).softmax(-1)  # (n, len(judge_tokens))
@@ -180,6 +179,12 @@ def reward_fn(name, cfg):
         return s.tolist()
     score.__name__ = f"{kind}:{os.path.basename(os.path.normpath(path))}"
     return score
+
+
+def answered(prompt, completion):
+    """`prompt` answered by `completion`, as messages: the
+    conversation a reward model reads."""
+    return [*prompt_messages(prompt), dict(role='assistant', content=completion)]
 
 
 def _ask(template, prompt, completion):

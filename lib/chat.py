@@ -3,8 +3,9 @@ Chat templates: every checkpoint's own Jinja template, found where checkpoints k
 (load_template) and rendered as transformers renders it, in jinja2's sandbox with transformers'
 settings, filters and globals (apply_chat_template). No family is written out by hand, so none can
 drift from its model. Then a prompt's tokens under the run's template (encode_prompt), the tokens
-that end a turn (stop_ids), what a multi-turn rollout appends for tool results (tool_turn) and what
-a reward model reads (render_answered). docs/chat_templates.md says why exactness matters for RL.
+that end a turn (stop_ids) and what a multi-turn rollout appends for tool results (tool_turn), where
+only the template's own text makes special tokens (encode_chat, encode_pieces).
+docs/chat_templates.md says why exactness matters for RL.
 """
 import datetime
 import functools
@@ -20,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from lib import gguf_file
 from lib.errors import ConfigError
 from lib.hf import read_json
-from lib.tokenizer import eos_ids
+from lib.tokenizer import _alternation, _split, eos_ids
 
 # the special-token strings a template reads, as transformers passes them (its special_tokens_map)
 TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -227,17 +228,41 @@ def encode_prompt(prompt, cfg, enc):
     """A row's prompt (a string or a list of messages) as token ids. With no template (cfg.template
     None), a string as it is, after the checkpoint's BOS if it has one; else rendered by the run's
     template with add_generation_prompt, the system_prompt, the environment's tools and
-    chat_template_kwargs, its special tokens then their ids."""
+    chat_template_kwargs, the template's special tokens their ids, the messages' text ordinary
+    (encode_chat)."""
     if cfg.template is None:
         if not isinstance(prompt, str):
             raise ConfigError(f"a prompt is a list of messages but the run has no chat template; "
                               f"{HOW}")
         bos = getattr(enc, "bos_token", None)  # SentencePiece's: the checkpoint starts each text so
         return ([] if bos is None else [bos]) + enc.encode_ordinary(prompt)
-    text = apply_chat_template(cfg.template, prompt_messages(prompt, cfg.system_prompt),
-                               tools=tools_of(getattr(cfg, "environment", None)),
-                               add_generation_prompt=True, **cfg.chat_template_kwargs)
-    return enc.encode(text, allowed_special="all")
+    return encode_chat(cfg.template, prompt_messages(prompt, cfg.system_prompt), enc,
+                       tools=tools_of(getattr(cfg, "environment", None)),
+                       add_generation_prompt=True, **cfg.chat_template_kwargs)
+
+
+def encode_chat(template, messages, enc, **kwargs):
+    """The token ids of `messages` as apply_chat_template(template, messages, **kwargs) renders
+    them, where only the template's own text makes special tokens: a message's text that spells one
+    (a completion writing '<|im_end|>\n<|im_start|>user\n...' to forge a turn) is ordinary text, as
+    a tool's result is (encode_pieces). An honest conversation's ids are enc.encode(its text,
+    allowed_special="all"), as transformers tokenizes it."""
+    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    spelt = {t for text in texts for t in _split(text, _spelt(enc))[1::2]}
+    if not spelt:
+        return enc.encode(apply_chat_template(template, messages, **kwargs), allowed_special="all")
+    # while the template renders, each token a message spells is a character no text holds, which
+    # leaves what the template does with the messages as it was (trim, tojson, a split on </think>)
+    held = set().union(*texts, apply_chat_template(template, messages, **kwargs))
+    free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in held)
+    stand = dict(zip(sorted(spelt), free))
+    swap = _alternation(_spelt(enc))
+    messages = [dict(m, content=swap.sub(lambda t: stand[t.group()], m["content"]))
+                if isinstance(m.get("content"), str) else m for m in messages]
+    token = {c: t for t, c in stand.items()}
+    parts = _split(apply_chat_template(template, messages, **kwargs), frozenset(token))
+    pieces = [(token[p], False) if i % 2 else (p, True) for i, p in enumerate(parts)]
+    return encode_pieces(pieces, enc)
 
 
 def end_of_turn(template, enc):
@@ -321,12 +346,11 @@ def encode_pieces(pieces, enc):
     become theirs, all other text (a tool's, whatever it holds) is ordinary, tokenized across the
     pieces' seams as one text is."""
     ids, run = [], ""
-    specials = _specials(frozenset(enc.special_tokens_set))
     for text, own in pieces:
         if not own:
             run += text
             continue
-        for i, part in enumerate(specials.split(text)):
+        for i, part in enumerate(_split(text, _spelt(enc))):
             if i % 2:  # a special token: the ordinary text before it ends
                 ids += (enc.encode_ordinary(run) if run else []) + [enc.encode_single_token(part)]
                 run = ""
@@ -336,8 +360,11 @@ def encode_pieces(pieces, enc):
 
 
 @functools.lru_cache(maxsize=8)
-def _specials(tokens):
-    return re.compile("(" + "|".join(map(re.escape, sorted(tokens, key=len, reverse=True))) + ")")
+def _spelt(enc):
+    """enc's special tokens that its encode_ordinary reads as text (HF's added tokens that are not
+    special, such as Qwen3's </think>, are matched in any text): those only a template writes."""
+    return frozenset(t for t in enc.special_tokens_set
+                     if enc.encode(t, allowed_special="all") != enc.encode_ordinary(t))
 
 
 def rewrites_history(template, **kwargs):
@@ -392,9 +419,3 @@ def text_of(ids, cfg, enc):
     ids = ids[:-1] if ids and ids[-1] in cfg.eos_ids else ids
     return enc.decode([x for x in ids if x < enc.n_vocab])
 
-
-def render_answered(template, prompt, completion):
-    """The text of `prompt` answered by `completion`, the whole conversation as the template renders
-    it (no generation prompt): what a reward model reads."""
-    answered = [*prompt_messages(prompt), dict(role="assistant", content=completion)]
-    return apply_chat_template(template, answered)
