@@ -1,44 +1,61 @@
 """
-Reward functions for RL on verifiable tasks, the code that calls and checks them, and pass@k.
+Reward functions for RL on verifiable tasks, the code that calls and checks them, and
+pass@k.
 
 A reward function is a plain callable
 
     fn(prompts, completions, **columns) -> list of float or None
 
-with one value per completion; None means "this function does not apply here" (e.g. a numeric
-verifier on a row whose answer is not a number). `prompts` and `completions` are aligned lists of
-strings; `columns` holds every dataset column as a list aligned with them (e.g. `answer`) plus what
-the rollout knows: `completion_ids` (the sampled tokens, no padding, the eos included if it was
-sampled), `max_completion_length` (one int for the whole batch) and `truncated` (hit the length
-limit without an eos). Take the columns you need by name and swallow the rest with **kwargs. To add
-a reward, write such a function and add it to REWARD_FNS below.
+with one value per completion; None means "this function does not apply here" (e.g. a
+numeric verifier on a row whose answer is not a number). `prompts` and `completions` are
+aligned lists of strings; `columns` holds every dataset column as a list aligned with
+them (e.g. `answer`) plus what the rollout knows: `completion_ids` (the sampled tokens,
+no padding, the eos included if it was sampled), `max_completion_length` (one int for
+the whole batch), `truncated` (hit the length limit without an eos) and `last_turn` (the
+text of the policy's last turn: its tokens after the last observation of a multi-turn
+row, the whole completion otherwise); a multi-turn rollout adds `observations` (each
+row's, as the environment gave them). Take the columns you need by name and swallow the
+rest with **kwargs. To add a reward, write such a function and add it to REWARD_FNS
+below.
+
+The built-in ones read the policy's text in linear time (no regex that backtracks on it:
+a long completion never stalls the run) and compare numbers exactly, as written.
 """
 import math
 import numbers
 import re
+from decimal import Decimal
 from fractions import Fraction
 
 from lib.errors import ConfigError, import_named
 
-# names the rollout passes to reward functions itself, so a dataset column may not use them
+# what the rollout passes to reward functions itself: no dataset column may be called so
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "max_completion_length",
-                    "truncated", "observations")
+                    "truncated", "last_turn", "observations")
 
-# 42, -3.5, 1,234.5; a trailing '.' ends a sentence, it is not a decimal, and a '-' after a digit
-# or ')' is a subtraction, not a sign: '10-7' ends on 7
-NUMBER = re.compile(r"(?:(?<![\d)])-)?[\d,]*\.?\d+")
+# 42, -3.5, 1,234.5; a trailing '.' ends a sentence, it is not a decimal, and a '-'
+# after a digit or ')' is a subtraction, not a sign: '10-7' ends on 7. A number never
+# starts after a ',': a search that failed at a run of commas would fail at each of its
+# commas again, each time reading the whole run (quadratic), and one that matched there
+# took the rest of the run. The lookahead lets the regex engine skip to the characters a
+# number can start with.
+NUMBER = re.compile(r"(?=[-\d,.])(?:(?<![\d)])-)?(?<!,)[\d,]*\.?\d+")
 
 def to_number(text):
-    """The value of `text` if it is one number such as '-1,234.5' (commas ignored), else None."""
+    """The exact value of `text` if it is one number such as '-1,234.5' (commas
+    ignored), else None. A Decimal, as written: '1,234.50' is 1234.5 and
+    12345678901234567 is not 12345678901234568 (as floats they are equal). Not a
+    Fraction: int() refuses more than 4,300 digits, a policy's text may hold more."""
     text = text.strip()
-    return float(text.replace(",", "")) if NUMBER.fullmatch(text) else None
+    return Decimal(text.replace(",", "")) if NUMBER.fullmatch(text) else None
 
 # -----------------------------------------------------------------------------
 # reading the final answer out of a completion
 
 def last_boxed(text):
-    r"""What the last '\boxed{' in `text` holds up to its matching brace ('\boxed{\frac{3}{4}}' ->
-    '\frac{3}{4}'), or None if there is none or it is never closed."""
+    r"""What the last '\boxed{' in `text` holds up to its matching brace
+    ('\boxed{\frac{3}{4}}' -> '\frac{3}{4}'), or None if there is none or it is never
+    closed."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -49,24 +66,28 @@ def last_boxed(text):
             return text[start:i]
     return None
 
-# a line that is only '#### 42', as GSM8K's own solutions end; not a markdown heading such as
-# '#### Step 2: ...'
-ANSWER_LINE = re.compile(r"^####[ \t]*\$?(" + NUMBER.pattern + r")[ \t]*\.?[ \t]*$", re.MULTILINE)
+# a line that is only '#### 42', as GSM8K's own solutions end; not a markdown heading
+# such as '#### Step 2: ...'
+ANSWER_LINE = re.compile(r"^####[ \t]*\$?(" + NUMBER.pattern + r")[ \t]*\.?[ \t]*$",
+                         re.MULTILINE)
 
 def extract_answer(text):
-    r"""The final answer of a math completion as a float, or None if it gives none: the number on
-    the last '#### 42' line, else the number in the last \boxed{} (the form the GSM8K prompt asks
-    for), else the last number in the text. Commas, '$' and a sentence's final '.' are not part of a
-    number: '$1,234.50.' is 1234.5. A box is the model's declared answer, so it must hold exactly
-    one number ('\boxed{\$1{,}000}', '\boxed{18 \text{ dollars}}'); one holding '3/4', '\frac{3}{4}'
-    or '2+3=5' is an answer that is not a number, hence None, not a guess at one of its numbers.
-    Fractions are not evaluated anywhere: GSM8K's answers are whole numbers."""
+    r"""The final answer of a math completion, exact (to_number), or None if it gives
+    none: the number on the last '#### 42' line, else the number in the last \boxed{}
+    (the form the GSM8K prompt asks for), else the last number in the text. Commas, '$'
+    and a sentence's final '.' are not part of a number: '$1,234.50.' is 1234.5. A box
+    is the model's declared answer, so it must hold exactly one number
+    ('\boxed{\$1{,}000}', '\boxed{18 \text{ dollars}}'); one holding '3/4',
+    '\frac{3}{4}' or '2+3=5' is an answer that is not a number, hence None, not a guess
+    at one of its numbers. Fractions are not evaluated anywhere: GSM8K's answers are
+    whole numbers."""
     lines = ANSWER_LINE.findall(text)
     if lines:
         return to_number(lines[-1])
-    boxed = last_boxed(text)
-    if boxed is not None:
-        found = NUMBER.findall(boxed.replace("{,}", ","))  # '{,}' is LaTeX's thousands separator
+    box = last_boxed(text)
+    if box is not None:
+        # '{,}' is LaTeX's thousands separator
+        found = NUMBER.findall(box.replace("{,}", ","))
         return to_number(found[0]) if len(found) == 1 else None
     found = NUMBER.findall(text)
     return to_number(found[-1]) if found else None
@@ -74,30 +95,42 @@ def extract_answer(text):
 # Countdown answers: the other ways models write the four operations, as + - * /
 OPERATOR_SPELLINGS = {"\\times": "*", "\\cdot": "*", "\\div": "/",
                       "×": "*", "·": "*", "÷": "/", "−": "-"}
-EQUATION = re.compile(r"[0-9+\-*/()=\s]+")  # all an answer may hold: no letters, '.' or '^'
-MAX_EQUATION = 200  # characters, ~8x a 4-number answer: the parser recurses ~600 frames at most
+# all an answer may hold: no letters, '.' or '^'
+EQUATION = re.compile(r"[0-9+\-*/()=\s]+")
+# characters, ~8x a 4-number answer: the parser recurses ~600 frames at most
+MAX_EQUATION = 200
+# the characters str.splitlines breaks lines at, and the other whitespace (str.isspace),
+# which stays within a line
+LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"
+SPACES = "\t\x1f \xa0\u1680\u2000-\u200a\u202f\u205f\u3000"
+# a whole line of EQUATION's characters with an operator in it: one regex over the text,
+# not one a line in Python (a completion of 100,000 line breaks), tried at a line's
+# start only, so that a failed try never reads more than its line
+EQUATION_LINE = re.compile(f"(?<![^{LINE_BREAKS}])[0-9()={SPACES}]*[-+*/]"
+                           f"[-+*/0-9()={SPACES}]*(?![^{LINE_BREAKS}])")
+
+def spell_operators(text):
+    """`text` with OPERATOR_SPELLINGS' operators as + - * /."""
+    for other, op in OPERATOR_SPELLINGS.items():
+        text = text.replace(other, op)
+    return text
 
 def countdown_equation(text):
-    r"""The equation a Countdown completion answers with, operators spelled + - * /: what its last
-    \boxed{} holds, else its last line of EQUATION's characters with an operator in it, else
-    None."""
-    def spelled(s):
-        for other, op in OPERATOR_SPELLINGS.items():
-            s = s.replace(other, op)
-        return s.strip()
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return spelled(boxed)
-    lines = [spelled(line) for line in text.splitlines()]
-    equations = (line for line in reversed(lines)
-                 if EQUATION.fullmatch(line) and re.search(r"[-+*/]", line))
-    return next(equations, None)
+    r"""The equation a Countdown completion answers with, operators spelled + - * /:
+    what its last \boxed{} holds, else its last line of EQUATION's characters with an
+    operator in it, else None; stripped of the whitespace around it."""
+    box = last_boxed(text)
+    if box is not None:
+        return spell_operators(box).strip()
+    lines = EQUATION_LINE.findall(spell_operators(text))
+    return lines[-1].strip() if lines else None
 
 def _evaluate(tokens):
-    """The exact value of `tokens` (whole numbers, + - * / and parentheses, the usual precedence) as
-    a Fraction, or None if they are not such an expression or it divides by zero. A
-    recursive-descent parser: a model's text is never handed to eval. There is no unary sign: the
-    numbers are positive and the operations binary, so '-3' is not a move the puzzle has."""
+    """The exact value of `tokens` (whole numbers, + - * / and parentheses, the usual
+    precedence) as a Fraction, or None if they are not such an expression or it divides
+    by zero. A recursive-descent parser: a model's text is never handed to eval. There
+    is no unary sign: the numbers are positive and the operations binary, so '-3' is not
+    a move the puzzle has."""
     tokens, pos = tokens + ["end"], 0
     def take():
         nonlocal pos
@@ -130,9 +163,9 @@ def _evaluate(tokens):
     return value if tokens[pos] == "end" else None
 
 def solves_countdown(equation, numbers, target):
-    """Whether `equation` ('(44 + 19) - 35', '... = 28' also fine) uses each of `numbers` exactly
-    once, as written ('4' and '4' may not be joined into '44'), and equals `target` exactly:
-    '8 / 3 * 3' is 8."""
+    """Whether `equation` ('(44 + 19) - 35', '... = 28' also fine) uses each of
+    `numbers` exactly once, as written ('4' and '4' may not be joined into '44'), and
+    equals `target` exactly: '8 / 3 * 3' is 8."""
     if len(equation) > MAX_EQUATION or not EQUATION.fullmatch(equation):
         return False
     expression, _, claimed = equation.partition("=")
@@ -148,56 +181,69 @@ def solves_countdown(equation, numbers, target):
 # built-in reward functions
 
 def exact_match(prompts, completions, answer, **kwargs):
-    """1.0 if the completion is the answer, give or take surrounding whitespace, else 0.0."""
+    """1.0 if the completion is the answer (whitespace around it aside), else 0.0."""
     return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
 
-def final_answer_match(prompts, completions, answer, observations=None, **kwargs):
-    """exact_match on the policy's last turn: what follows the last observation in a multi-turn
-    completion (the answer it gives after its tool calls), the whole completion otherwise."""
-    last = [c[c.rfind(o[-1]) + len(o[-1]):] if o else c
-            for c, o in zip(completions, observations or [()] * len(completions))]
-    return exact_match(prompts, last, answer)
+def final_answer_match(prompts, completions, answer, last_turn=None, **kwargs):
+    """exact_match on the policy's last turn (the column last_turn: the answer it gives
+    after its tool calls, whatever a chat template writes around their results), the
+    whole completion where there is no such column."""
+    return exact_match(prompts, completions if last_turn is None else last_turn, answer)
 
 def numeric_match(prompts, completions, answer, **kwargs):
-    """1.0 if the completion's final answer (extract_answer) has the answer's value, else 0.0; None
-    where the answer is not a number. 'The total is $1,000.' matches '1000'."""
+    """1.0 if the completion's final answer (extract_answer) has the answer's value
+    exactly, else 0.0; None where the answer is not a number. 'The total is $1,000.'
+    matches '1000', '0.30' matches '.3', no tolerance: '12345678901234567' does not
+    match '12345678901234568'."""
     return [None if to_number(a) is None else float(extract_answer(c) == to_number(a))
             for c, a in zip(completions, answer)]
 
 def countdown_reward(prompts, completions, numbers, target, **kwargs):
-    """1.0 if the completion's equation (countdown_equation) solves the Countdown problem
-    (solves_countdown) with the row's `numbers` (a list of ints) and `target` (an int), else 0.0."""
+    """1.0 if the completion's equation (countdown_equation) solves the Countdown
+    problem (solves_countdown) with the row's `numbers` (a list of ints) and `target`
+    (an int), else 0.0."""
     rewards = []
     for c, nums, t in zip(completions, numbers, target):
         equation = countdown_equation(c)
-        rewards.append(float(equation is not None and solves_countdown(equation, nums, t)))
+        solved = equation is not None and solves_countdown(equation, nums, t)
+        rewards.append(float(solved))
     return rewards
 
 def single_number(prompts, completions, **kwargs):
-    """1 if the completion states exactly one number, else 0: a property a judge can be asked about
-    (config/judge.py), measured here without one."""
+    """1 if the completion states exactly one number, else 0: a property a judge can be
+    asked about (config/judge.py), measured here without one."""
     return [float(len(NUMBER.findall(c)) == 1) for c in completions]
 
-ENDS_WITH_NUMBER = r"(?s).*\d\s*"  # the completion ends on its answer, no rambling after it
+# the completion ends on its answer, no rambling after it
+ENDS_WITH_NUMBER = r"(?s).*\d\s*"
 
 def format_reward(pattern=ENDS_WITH_NUMBER, name="format"):
-    """A reward function, `name` in the logs, giving 1.0 to completions that match `pattern` in
-    full, else 0.0. Weighted small, it nudges the policy toward a shape the verifier can read."""
+    """A reward function, `name` in the logs, giving 1.0 to completions that match
+    `pattern` in full, else 0.0. Weighted small, it nudges the policy toward a shape the
+    verifier can read."""
     regex = re.compile(pattern)
     def fn(prompts, completions, **kwargs):
         return [float(regex.fullmatch(c) is not None) for c in completions]
     fn.__name__ = name
     return fn
 
-# the GSM8K and Countdown prompts ask for the answer in a \boxed{}: a reward for doing so, whatever
-# the box holds
-BOXED = r"(?s).*\\boxed\{.+\}.*"
+def boxed(prompts, completions, **kwargs):
+    r"""1.0 if the completion has a \boxed{ with something in it and a '}' after that,
+    else 0.0: the GSM8K and Countdown prompts ask for the answer in a \boxed{}, a reward
+    for doing so, whatever the box holds. The first box and the last '}' tell, in linear
+    time (as a regex, '.*\\boxed\{.+\}.*' backtracks from every box to the end of the
+    text)."""
+    rewards = []
+    for c in completions:
+        start = c.find("\\boxed{")
+        rewards.append(float(start >= 0 and c.rfind("}") > start + len("\\boxed{")))
+    return rewards
 
 def soft_overlong_punishment(cache_length=None, max_completion_length=None):
-    """DAPO's soft overlong punishment as a reward function: no penalty up to L_max - L_cache
-    tokens, then a penalty growing linearly to -1 at L_max tokens, and -1 beyond. L_max defaults to
-    the rollout's max_completion_length and L_cache to a fifth of it (DAPO used 4096 of 20480);
-    lengths count the eos if sampled."""
+    """DAPO's soft overlong punishment as a reward function: no penalty up to
+    L_max - L_cache tokens, then a penalty growing linearly to -1 at L_max tokens, and -1
+    beyond. L_max defaults to the rollout's max_completion_length and L_cache to a fifth
+    of it (DAPO used 4096 of 20480); lengths count the eos if sampled."""
     if cache_length is not None and cache_length < 1:
         raise ConfigError(f"cache_length must be at least 1 token, got {cache_length}")
     def overlong(prompts, completions, completion_ids, **columns):
@@ -221,13 +267,13 @@ REWARD_FNS = {  # the names a config can use in its list of reward functions
     "single_number": single_number,
     "countdown_reward": countdown_reward,
     "format": format_reward(),
-    "boxed": format_reward(BOXED, name="boxed"),
+    "boxed": boxed,
     "overlong": soft_overlong_punishment(),
 }
 
 def get_reward_fns(names):
-    """The reward functions called `names` (a single name is fine too): a key of REWARD_FNS, or
-    'module:function' for one of your own, imported from the Python path
+    """The reward functions called `names` (a single name is fine too): a key of
+    REWARD_FNS, or 'module:function' for one of your own, imported from the Python path
     (e.g. --reward_funcs="('myrewards:brevity',)")."""
     fns = []
     for name in [names] if isinstance(names, str) else names:
@@ -249,7 +295,7 @@ def get_reward_fns(names):
 # calling reward functions, with errors that say which function and which completion
 
 def _show(completion):
-    """A completion for an error message: repr (so it stays on one line), cut to ~80 characters."""
+    """A completion for an error message: repr (one line), cut to ~80 characters."""
     r = repr(completion)
     return r if len(r) <= 80 else r[:77] + "..."
 
@@ -257,10 +303,11 @@ def _one_line(error):
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 def _culprit(fn, prompts, completions, columns):
-    """Call fn on one completion at a time to find the first it raises on or does not give exactly
-    one value for: (completion, exception or None), or (None, None) if only the batch fails."""
+    """Call fn on one completion at a time to find the first it raises on or does not
+    give exactly one value for: (completion, exception or None), or (None, None) if only
+    the batch fails."""
     for i, c in enumerate(completions):
-        # the columns of completion i alone; scalars (max_completion_length) stay as they are
+        # the columns of completion i alone; scalars (max_completion_length) as they are
         row = {k: v[i:i + 1] if isinstance(v, list) else v for k, v in columns.items()}
         try:
             values = fn(prompts[i:i + 1], [c], **row)
@@ -271,8 +318,9 @@ def _culprit(fn, prompts, completions, columns):
     return None, None
 
 def _call(fn, prompts, completions, columns):
-    """fn's rewards as floats or None, after checking that there is one finite number (or None) per
-    completion. Bools are accepted as 1.0/0.0, so a verifier may return its pass/fail test as is."""
+    """fn's rewards as floats or None, after checking that there is one finite number
+    (or None) per completion. Bools are accepted as 1.0/0.0, so a verifier may return
+    its pass/fail test as is."""
     name, n = fn.__name__, len(completions)
     try:
         values = fn(prompts, completions, **columns)
@@ -304,10 +352,11 @@ def _call(fn, prompts, completions, columns):
     return [None if v is None else float(v) for v in values]
 
 def compute_rewards(reward_fns, weights, prompts, completions, columns):
-    """Score completions with every reward function. Returns (total, per_function): total[i] is the
-    weighted sum over the functions that gave completion i a value, or None if none of them did (a
-    function saying None is left out rather than counted as a 0 that would drag a mean down);
-    per_function maps each function's __name__ to its raw, unweighted values, for logging."""
+    """Score completions with every reward function. Returns (total, per_function):
+    total[i] is the weighted sum over the functions that gave completion i a value, or
+    None if none of them did (a function saying None is left out rather than counted as
+    a 0 that would drag a mean down); per_function maps each function's __name__ to its
+    raw, unweighted values, for logging."""
     if len(weights) != len(reward_fns):
         raise ConfigError(f"{len(reward_fns)} reward functions but {len(weights)} weights; "
                           f"give one weight per function")
@@ -331,10 +380,10 @@ def compute_rewards(reward_fns, weights, prompts, completions, columns):
 # -----------------------------------------------------------------------------
 
 def pass_at_k(n, c, k):
-    """Unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021, the
-    Codex paper): 1 - C(n-c, k) / C(n, k), the chance that k of the n samples drawn without
-    replacement hold a correct one. The ratio is computed as a product, so it neither overflows nor
-    loses precision for large n."""
+    """Unbiased estimate of pass@k from n samples of which c are correct (Chen et al.
+    2021, the Codex paper): 1 - C(n-c, k) / C(n, k), the chance that k of the n samples
+    drawn without replacement hold a correct one. The ratio is computed as a product, so
+    it neither overflows nor loses precision for large n."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:

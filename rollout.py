@@ -79,6 +79,14 @@ def last_counted(mask):
     return (mask * torch.arange(1, mask.size(1) + 1, device=mask.device)).amax(1)
 
 
+def last_turn_start(mask):
+    """(B, C) -> (B,) where each row's last turn starts: after the last observation's
+    token before its last counted one (a multi-turn row's), 0 for a single turn."""
+    at = torch.arange(1, mask.size(1) + 1, device=mask.device)
+    observed = ~mask & (at <= last_counted(mask)[:, None])
+    return (observed * at).amax(1)
+
+
 def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
     """Sample completions for rows (dicts with 'prompt'); returns prompt ids, (N, C) tokens, mask,
     logps and, with an environment (cfg.environment), each row's episode (else None)."""
@@ -120,10 +128,15 @@ def score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=
     # multi-turn row's observations.
     own_ids = [[t for t, counted in zip(row, row_mask) if counted]
                for row, row_mask in zip(token_rows, mask.tolist())]
-    columns.update(completion_ids=own_ids, truncated=truncated,
+    columns.update(completion_ids=own_ids, truncated=truncated, last_turn=completions,
                    max_completion_length=cfg.max_completion_length)
     if record:  # what the environment said after each of the policy's turns
-        columns.update(observations=[episode['observations'] for episode in record])
+        # the policy's last turn from the tokens, not the text: a chat template's markup
+        # around a tool's result is the observation's, whatever the result says
+        starts = last_turn_start(mask).tolist()
+        last_turn = [text_of(c[start:], cfg, enc) for c, start in zip(ids, starts)]
+        observations = [episode['observations'] for episode in record]
+        columns.update(observations=observations, last_turn=last_turn)
     prompts = [row['prompt'] for row in rows for _ in range(G)]
     total, per_fn = compute_rewards(reward_fns, reward_weights, prompts, completions, columns)
     rewards = torch.tensor([float('nan') if r is None else r for r in total], dtype=torch.float64)

@@ -1,25 +1,54 @@
 """
 Tests for reward.py: each built-in reward function against hand-worked cases, the GSM8K answer extractor and the
 Countdown verifier against tables of tricky answers, compute_rewards' weighting and every error it raises (the
-message text included), and pass@k against a brute-force enumeration of subsets.
+message text included), and pass@k against a brute-force enumeration of subsets. Numbers compared exactly; the
+linear-time readers against the plain backtracking regexes on random short texts; every built-in reward's
+contract, and its time on 100,000-character pathological completions; final_answer_match through rollout.score
+under Qwen2.5's and Llama-3.1's tool templates.
 """
 import itertools
 import math
 import os
+import random
+import re
 import sys
+import time
+from decimal import Decimal
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from reward import (compute_rewards, countdown_reward, exact_match, extract_answer, format_reward, get_reward_fns,
-                    last_boxed, numeric_match, pass_at_k, soft_overlong_punishment, to_number)
+from lib.chat import load_template
+from lib.envs import Calculator, QwenTools
+from lib.multiturn import episodes
+from lib.tokenizer import get_tokenizer
+from lib.tools import TOOLS
+from reward import (EQUATION, LINE_BREAKS, NUMBER, REWARD_FNS, SPACES, compute_rewards,
+                    countdown_equation, countdown_reward, exact_match, extract_answer,
+                    final_answer_match, format_reward, get_reward_fns, last_boxed, numeric_match,
+                    pass_at_k, soft_overlong_punishment, spell_operators, to_number)
+from rollout import last_turn_start, score
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 def test_to_number():
     assert to_number("42") == 42 and to_number(" -3.50 ") == -3.5 and to_number("1,234.5") == 1234.5
     assert to_number(".5") == 0.5
     for text in ["", "4 2", "42 apples", "1e5", "nan", "inf", "-", "1."]:
         assert to_number(text) is None, text
+
+def test_to_number_is_exact():
+    """Numbers as written, not as floats: in float64 the first two pairs are equal."""
+    assert to_number("12345678901234567") != to_number("12345678901234568")
+    assert to_number("1.0000000000000001") != to_number("1")
+    assert to_number("1,234.50") == to_number("1234.5") == Decimal("1234.5")
+    assert to_number("-0") == to_number("0.000") and to_number("007") == 7
+    # past int()'s 4,300 digits: a policy's text never raises
+    many = "9" * 100_000
+    assert to_number(many) == to_number(many + ".0") != to_number("1" + many)
 
 def test_exact_match():
     got = exact_match(["1+1="] * 4, ["2", " 2\n", "02", "2 2"], answer=["2"] * 4, truncated=[False] * 4)
@@ -30,6 +59,14 @@ def test_numeric_match():
                    "Total: \\boxed{1,234.50} (check: 1234.5 - 34.5 = 1200)", "#### 7\nthat is, 3 + 4"]
     answers = ["1234", "12", "7", "-3.5", "5.0", "five", "1234.5", "7"]
     assert numeric_match([""] * 8, completions, answer=answers) == [1.0, 0.0, 0.0, 1.0, 1.0, None, 1.0, 1.0]
+
+def test_numeric_match_is_exact():
+    """No float tolerance: an answer off by one in the 17th digit is wrong (the old float64
+    comparison scored it 1.0), one written with other zeros or commas is right."""
+    completions = ["12345678901234567", "#### 0.30", "\\boxed{1,000,000.000}",
+                   "x = 1.0000000000000001"]
+    answers = ["12345678901234568", ".3", "1000000", "1"]
+    assert numeric_match([""] * 4, completions, answer=answers) == [0.0, 1.0, 1.0, 0.0]
 
 @pytest.mark.parametrize("text, boxed", [
     ("so \\boxed{42}.", "42"),
@@ -76,6 +113,50 @@ def test_last_boxed(text, boxed):
 ])
 def test_extract_answer(text, value):
     assert extract_answer(text) == value
+
+# the plain ways to read numbers, equation lines and boxes: they backtrack (quadratic on a long
+# text), but they are exact references on short random ones
+REFERENCE_NUMBER = re.compile(r"(?:(?<![\d)])-)?[\d,]*\.?\d+")
+REFERENCE_BOXED = re.compile(r"(?s).*\\boxed\{.+\}.*")
+
+def reference_equation(text):
+    """countdown_equation a line at a time, as str.splitlines splits them."""
+    box = last_boxed(text)
+    if box is not None:
+        return spell_operators(box).strip()
+    lines = [spell_operators(line).strip() for line in text.splitlines()]
+    return next((line for line in reversed(lines)
+                 if EQUATION.fullmatch(line) and re.search(r"[-+*/]", line)), None)
+
+def random_texts(pieces, n=20_000):
+    rng = random.Random(0)
+    return ["".join(rng.choices(pieces, k=rng.randint(0, 14))) for _ in range(n)]
+
+def test_numbers_are_read_as_the_backtracking_regex_reads_them():
+    for text in random_texts(list("0123456789,.-)$# x\n")):
+        assert NUMBER.findall(text) == REFERENCE_NUMBER.findall(text), text
+        assert bool(NUMBER.fullmatch(text)) == bool(REFERENCE_NUMBER.fullmatch(text)), text
+
+def test_equations_are_read_as_line_by_line():
+    pieces = list("12+-*/()= x\t\r\n\v") + ["\\times", "×", "−", "\\boxed{", "}", "\u2028",
+                                           "\x1c", "\x1f", "\xa0", "\u3000", "\u200b"]
+    for text in random_texts(pieces):
+        assert countdown_equation(text) == reference_equation(text), text
+
+def test_boxed_is_the_regex():
+    (boxed,) = get_reward_fns("boxed")
+    for text in random_texts(["\\boxed{", "\\boxed", "{", "}", "x", "\n"]):
+        assert boxed([""], [text]) == [float(REFERENCE_BOXED.fullmatch(text) is not None)], text
+
+def test_line_breaks_and_spaces_are_pythons():
+    """LINE_BREAKS are where str.splitlines breaks a line, SPACES (a regex class) the rest of the
+    whitespace (str.isspace, which is re's \\s), over every code point."""
+    every = "".join(map(chr, range(sys.maxunicode + 1)))
+    spaces = list(filter(str.isspace, every))
+    breaks = [c for c in spaces if len(f"a{c}b".splitlines()) == 2]
+    assert len(every.splitlines()) == len(breaks) + 1 and sorted(LINE_BREAKS) == breaks
+    assert re.findall(f"[{SPACES}]", every) == [c for c in spaces if c not in breaks]
+    assert re.findall(r"\s", every) == spaces
 
 def test_format_reward():
     fn = format_reward()
@@ -198,6 +279,133 @@ def test_get_reward_fns_imports_module_functions(tmp_path, monkeypatch):
         get_reward_fns(["no_such_module:f"])
     with pytest.raises(ValueError, match="reward function 'my_rewards:not_fn' is a int, not a function"):
         get_reward_fns(["my_rewards:not_fn"])
+
+# -----------------------------------------------------------------------------
+# every built-in reward: its contract, linear time, and the last turn of a tool episode
+
+# (reward, completion, its columns besides answer "42", reward): right, wrong, malformed, empty
+CONTRACTS = [
+    ("exact_match", " 42\n", {}, 1.0), ("exact_match", "43", {}, 0.0),
+    # another spelling of the value is not the answer
+    ("exact_match", "42.0", {}, 0.0), ("exact_match", "", {}, 0.0),
+    # the last turn is scored, not the tool's output before it, nor an echo of it
+    ("final_answer_match", "<6*7>42\n42", dict(last_turn="42"), 1.0),
+    ("final_answer_match", "<6*7>42\n41", dict(last_turn="41"), 0.0),
+    ("final_answer_match", "<6*7>42\n42\n42", dict(last_turn="42\n42"), 0.0),
+    ("final_answer_match", "", dict(last_turn=""), 0.0),
+    # no last_turn column (a caller other than the rollout): the whole completion
+    ("final_answer_match", "42", dict(last_turn=None), 1.0),
+    ("numeric_match", "so \\boxed{42}.", {}, 1.0), ("numeric_match", "#### 41", {}, 0.0),
+    # a box that is not one number gives no answer; an answer that is not a number, no reward
+    ("numeric_match", "\\boxed{6*7}", {}, 0.0),
+    ("numeric_match", "42", dict(answer="forty-two"), None), ("numeric_match", "", {}, 0.0),
+    ("single_number", "It is 42.", {}, 1.0), ("single_number", "6*7 = 42", {}, 0.0),
+    ("single_number", "forty-two", {}, 0.0), ("single_number", "", {}, 0.0),
+    ("countdown_reward", "\\boxed{(44 + 19) - 35}", {}, 1.0),
+    ("countdown_reward", "\\boxed{44 + 19 + 35}", {}, 0.0),
+    ("countdown_reward", "\\boxed{44 + 19 - }", {}, 0.0), ("countdown_reward", "", {}, 0.0),
+    ("format", "so it is 42\n", {}, 1.0), ("format", "42 apples", {}, 0.0),
+    ("format", "42.", {}, 0.0), ("format", "", {}, 0.0),
+    ("boxed", "so \\boxed{42}", {}, 1.0), ("boxed", "so 42", {}, 0.0),
+    ("boxed", "\\boxed{}", {}, 0.0), ("boxed", "", {}, 0.0),
+    # completion_ids (here a token a character) against max_completion_length 10
+    ("overlong", "x" * 8, {}, 0.0), ("overlong", "x" * 9, {}, -0.5),
+    ("overlong", "x" * 11, {}, -1.0), ("overlong", "", {}, 0.0),
+]
+
+def reward_columns(completion, **given):
+    """The columns of one completion as the rollout passes them, the row's answer 42 (a
+    Countdown row's [44, 19, 35] -> 28); `given` overrides them, None leaves one out."""
+    columns = dict(answer="42", numbers=[44, 19, 35], target=28, truncated=False,
+                   completion_ids=[1] * len(completion), last_turn=completion)
+    columns.update(given)
+    rows = {k: [v] for k, v in columns.items() if v is not None}
+    return dict(rows, max_completion_length=10)
+
+def test_the_contracts_cover_every_built_in_reward():
+    assert {name for name, *_ in CONTRACTS} == set(REWARD_FNS)
+
+@pytest.mark.parametrize("name, completion, given, reward", CONTRACTS)
+def test_contract(name, completion, given, reward):
+    fn = REWARD_FNS[name]
+    columns = reward_columns(completion, **given)
+    _, per_function = compute_rewards([fn], [1.0], ["q"], [completion], columns)
+    assert per_function[fn.__name__] == [reward]
+
+# 100,000 characters of a unit (after a head) that makes a regex or a loop a line slow
+UNITS = (",", "1", "-", ".", "#", " ", "\n", "{", "}", "(", "\\boxed{", "####\n", "#### ", "1,",
+         "-1", "1.", "1 ", "1\n", "-\n", "1+", "1-", "1+1=", "\\times", "- x\n", "1" * 50 + "x\n",
+         "-" * 50 + "x\n", "\\boxed{1}")
+PATHOLOGICAL = [("", unit) for unit in UNITS] + [
+    ("\\boxed{", "{"), ("\\boxed{", "{}"), ("\\boxed{", "1,"), ("#### ", " "), ("#### ", ","),
+    ("####", "-"), ("1", ","), ("\\boxed{" * 3, "(")]
+
+@pytest.mark.parametrize("head, unit", PATHOLOGICAL,
+                         ids=[repr(head + unit)[:20] for head, unit in PATHOLOGICAL])
+def test_every_built_in_reward_takes_linear_time(head, unit):
+    """Under 50 ms for each reward function on one such completion (up to three tries, so
+    that another process's time slice is not counted). A backtracking regex took seconds."""
+    text = head + (unit * (100_000 // len(unit) + 1))[:100_000 - len(head)]
+    columns = reward_columns(text)
+    slow = {}
+    for name, fn in REWARD_FNS.items():
+        for _ in range(3):
+            start = time.perf_counter()
+            fn(["q"], [text], **columns)
+            took = time.perf_counter() - start
+            if took < 0.05:
+                break
+        else:
+            slow[name] = f"{took * 1000:.0f} ms"
+    assert not slow, slow
+
+# a tool template, its tokenizer and the end of the policy's turn; 'none': the calculator's plain
+# text, no template
+TOOL_SETUPS = {"qwen2.5": ("qwen_tools/qwen2.5_template.jinja", "tiny-bpe-a", "<|im_end|>"),
+               "llama3.1": ("chat_templates/llama3_1.jinja", "rm/llama", "<|eot_id|>"),
+               "none": (None, "bytes", None)}
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+
+def tool_episode_reward(setup, answer):
+    """final_answer_match through rollout.score on an episode asking 2+2: the policy calls the
+    calculator, reads its '4' as the template writes it, then says `answer` and ends. The tokens
+    and the mask as the sampler makes them: the observations' tokens are not the policy's."""
+    template, tokenizer, end = TOOL_SETUPS[setup]
+    enc = get_tokenizer(os.path.join(FIXTURES, tokenizer) if template else tokenizer)
+    eos = enc.encode_single_token(end) if end else enc.eot_token
+    env = QwenTools({"calculator": TOOLS["calculator"]}) if template else Calculator()
+    cfg = SimpleNamespace(max_turns=4, eos_ids=[eos], system_prompt=None, chat_template_kwargs={},
+                          environment=env, max_completion_length=400, num_generations=1,
+                          template=template and load_template(os.path.join(FIXTURES, template)))
+    row = {"prompt": "What is 2+2?", "answer": "4"}
+    turns, record, _ = episodes(env, [row], 1, cfg, enc)
+    ids = enc.encode_ordinary(CALL) + [eos] if template else enc.encode_ordinary("<2+2>")
+    mask = [True] * len(ids)
+    ids += turns(0, ids)
+    mask += [False] * (len(ids) - len(mask))
+    ids += enc.encode_ordinary(answer) + [eos]
+    mask += [True] * (len(ids) - len(mask))
+    assert turns(0, ids) is None and record[0]["observations"] == ["4" if template else "4\n"]
+    rewards, *_ = score([row], torch.tensor([ids]), torch.tensor([mask]), cfg, enc,
+                        [final_answer_match], [1.0], record=record)
+    return rewards.tolist()
+
+@pytest.mark.parametrize("setup", list(TOOL_SETUPS))
+def test_final_answer_match_reads_the_policys_last_turn(setup):
+    """Whatever the template writes around the tool's result: the old text search for the result
+    began the last turn inside the template's markup (an honest '4' scored 0.0 under a template),
+    and found an echo of the calculator's '4\\n' as the result (its '4\\n4' scored 1.0)."""
+    assert tool_episode_reward(setup, "4") == [1.0]
+    assert tool_episode_reward(setup, "4\n4") == [0.0]
+    assert tool_episode_reward(setup, "The answer is 4.") == [0.0]
+
+def test_last_turn_start():
+    """After the last observation's token before the row's last counted one: one cut at the end of
+    the row (truncated) leaves the turn before it the last."""
+    T, F = True, False
+    mask = torch.tensor([[T, T, F, F, T, T, F], [T, T, T, F, F, F, F], [T, F, T, F, F, T, F],
+                         [F] * 7, [T, T, F, F, F, F, F]])
+    assert last_turn_start(mask).tolist() == [4, 0, 5, 0, 0]
 
 # -----------------------------------------------------------------------------
 # compute_rewards
