@@ -15,7 +15,9 @@ a reward, write such a function and add it to REWARD_FNS below.
 """
 import math
 import numbers
+import os
 import re
+import traceback
 from fractions import Fraction
 
 from lib.errors import ConfigError, import_named
@@ -254,7 +256,12 @@ def _show(completion):
     return r if len(r) <= 80 else r[:77] + "..."
 
 def _one_line(error):
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+    """The error and where it was raised, its traceback's last frame: the user's line of code."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    # relative where it is under the working directory: shorter
+    here = os.path.relpath(frame.filename)
+    file = frame.filename if here.startswith("..") else here
+    return f"{type(error).__name__}: {' '.join(str(error).split())} ({file}:{frame.lineno})"
 
 def _culprit(fn, prompts, completions, columns):
     """Call fn on one completion at a time to find the first it raises on or does not give exactly
