@@ -43,8 +43,8 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     tokens so far; it returns the token ids of an observation to append (the row then goes on) or
     None (the row ends). The observation's tokens are in tokens, with mask False and logprobs 0:
     context, not the policy's actions. The calls of one step run in turn_workers threads (the
-    observations in row order), for a turns that depends on its arguments alone. A stop signal
-    (parallelism.stopping) ends the loop early: the run then drops what the call sampled.
+    observations in row order), for a turns that depends on its arguments alone. A stop
+    signal (parallelism.stopping) ends the loop early: the run drops what the call sampled.
 
     The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its
     samples, right-aligned so that the rows decode level (a per-row key mask hides the left

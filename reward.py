@@ -256,12 +256,14 @@ def _show(completion):
     return r if len(r) <= 80 else r[:77] + "..."
 
 def _one_line(error):
-    """The error and where it was raised, its traceback's last frame: the user's line of code."""
-    frame = traceback.extract_tb(error.__traceback__)[-1]
+    """The error and, where the function raised it (not the call: a missing argument), its
+    traceback's last frame: the user's line of code."""
+    frames = traceback.extract_tb(error.__traceback__)
     # relative where it is under the working directory: shorter
-    here = os.path.relpath(frame.filename)
-    file = frame.filename if here.startswith("..") else here
-    return f"{type(error).__name__}: {' '.join(str(error).split())} ({file}:{frame.lineno})"
+    here = os.path.relpath(frames[-1].filename)
+    file = frames[-1].filename if here.startswith("..") else here
+    where = f" ({file}:{frames[-1].lineno})" if len(frames) > 1 else ""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}{where}"
 
 def _culprit(fn, prompts, completions, columns):
     """Call fn on one completion at a time to find the first it raises on or does not give exactly

@@ -57,8 +57,8 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, accuracy, rank, stop
     `optimizer`, or load the cached result. Every rank takes sft_batch_size / ranks rows a step, the
     same draws whatever the ranks. With sft_target_acc it ends once greedy accuracy (`accuracy`
     scores >= 1) on the first 256 train prompts reaches it (checked every sft_check_interval
-    steps). stop() is called before each step, on every rank: it exits if a stop signal came. Rank 0
-    prints what it did."""
+    steps). stop() is called before each step, on every rank: it exits if a stop signal
+    came. Rank 0 prints what it did."""
     began = time.time()
     # the settings as the JSON file reads them back: lists, not tuples
     spec = json.loads(json.dumps({k: getattr(cfg, k) for k in KEYS}))

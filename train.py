@@ -132,7 +132,7 @@ check_device(device)
 # -----------------------------------------------------------------------------
 
 distributed, rank, world_size, device = parallelism.init(device)  # under torchrun: DDP or FSDP
-# SIGTERM or Ctrl-C: a checkpoint of the state before the iteration, and exit, within seconds
+# SIGTERM or Ctrl-C: within seconds, a checkpoint of the state before the iteration, and exit
 parallelism.catch_stop_signals()
 device_type, master = 'cuda' if 'cuda' in device else 'cpu', rank == 0
 sft_iters = config['sft_iters'] = sft.default_iters(init_from) if sft_iters is None else sft_iters
@@ -151,7 +151,7 @@ param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
-# a pretrained model's own tokenizer, whatever the chat template: its ids are what it learnt
+# a pretrained model's own tokenizer, whatever the chat template: the ids it learnt
 check_tokenizer(enc, tokenizer, init_from, state)
 cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer, stop_tokens)  # the turn's end first
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
@@ -159,7 +159,7 @@ cfg.environment = multiturn.environment(env, sandbox, cfg) if env else None
 wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # only when asked for
 train_rows, test_rows, *rewards = load_task(cfg, enc)  # then the reward functions and their weights
 reward_fns, reward_weights, accuracy, accuracy_note = with_accuracy(cfg, train_rows, *rewards)
-# each reward function called once on stand-ins: one that raises fails now, not after the warm start
+# each reward function called on stand-ins: one that raises fails now, before any work
 check_rewards(train_rows, cfg, enc, reward_fns, reward_weights)
 
 # model
@@ -224,9 +224,10 @@ def save(it):
 
 
 def stop_if_signalled(it):
-    """If any rank got a stop signal (a vote: every rank calls this at the same point), all save the
-    state before iteration `it` (None: in the warm start, nothing to save), print how to resume and
-    exit with 128 + its number (resume redoes a dropped rollout or evaluation exactly)."""
+    """If any rank got a stop signal (a vote: every rank calls this at the same point), all
+    save the state before iteration `it` (None: in the warm start, nothing to save), print
+    how to resume and exit with 128 + its number (resume redoes a dropped rollout or
+    evaluation exactly)."""
     sig = parallelism.stop_requested()
     if sig:
         if it is not None and bad_in_row == 0 and it != saved_it:

@@ -255,3 +255,12 @@ def test_a_tokenizer_is_the_model_s_own_or_refused(setup, tmp_path):
     (bare / 'generation_config.json').write_text(json.dumps(dict(eos_token_id=[5, 600])))
     with pytest.raises(ConfigError, match="ends text with token id 600, which tokenizer 'bytes' .257 ids. lacks"):
         check_tokenizer(get_tokenizer('bytes'), 'bytes', str(bare), None)
+
+
+def test_plot_of_a_folder_without_a_run_is_one_line(tmp_path):
+    pytest.importorskip('matplotlib')
+    for folder in (tmp_path / 'nowhere', tmp_path):
+        p = subprocess.run([sys.executable, 'scripts/plot.py', str(folder)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode != 0 and p.stderr.splitlines() == [
+            f"error: {folder} holds no metrics.jsonl; give the out_dir of a run (train.py's out_dir)"], p.stderr

@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -218,7 +219,8 @@ def test_warm_start_stops_at_its_target_accuracy(tmp_path):
 
 def test_readme_s_brevity_example_logs_the_verifier_s_accuracy(tmp_path, monkeypatch):
     """README's --reward_funcs="('myrewards:brevity', 'exact_match')", brevity = 1 / (1 + length) first:
-    the start names exact_match as the accuracy, and acc is exact_match's share of right answers."""
+    the start names exact_match as the accuracy, acc is exact_match's share of right answers, and each
+    iteration's line shows both functions' means, the user's first."""
     (tmp_path / 'myrewards.py').write_text('def brevity(prompts, completions, **kwargs):\n'
                                            '    return [1 / (1 + len(c)) for c in completions]\n')
     monkeypatch.setenv('PYTHONPATH', str(tmp_path))
@@ -227,6 +229,7 @@ def test_readme_s_brevity_example_logs_the_verifier_s_accuracy(tmp_path, monkeyp
     assert "accuracy: exact_match (the task's verifier)\n" in p.stdout
     rows = [m for m in metrics(tmp_path / 'out') if 'acc' in m]
     assert len(rows) == 2 and all(m['acc'] == m['reward/exact_match'] for m in rows)
+    assert re.search(r"^iter 1/2: .* \| acc [\d.]+ \| brevity [\d.]+ \| exact_match [\d.]+ \| flat", p.stdout, re.M)
 
 
 def test_warm_start_is_cached_while_its_settings_match(tmp_path):
