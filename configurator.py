@@ -21,8 +21,11 @@ import sys
 import torch
 
 import loss
+from rollout import score
 from sampling import check_sampling
+from lib import checkpoint
 from lib.errors import ConfigError, unknown
+from lib.tokenizer import eos_ids, get_tokenizer
 
 
 def one_line_errors(kind, value, tb):
@@ -108,8 +111,8 @@ def _need(ok, message):
 
 def check_config(c, world_size, distributed=False):
     """Reject combinations that cannot work, before any work starts. c: the config dict;
-    distributed: under torchrun. Then the loss's settings (check_loss) and the sampler's
-    (sampling.check_sampling)."""
+    distributed: under torchrun. Then the loss's settings (check_loss), the sampler's
+    (sampling.check_sampling), and that out_dir holds no other run."""
     choices = dict(lr_schedule=('constant', 'cosine'),
                    dtype=('auto', 'float32', 'float64', 'bfloat16', 'float16'),
                    parallel=('ddp', 'fsdp'), sandbox=('bwrap', 'none'),
@@ -192,6 +195,12 @@ def check_config(c, world_size, distributed=False):
          "softmax's already: drop it")
     check_loss(c)
     check_sampling(c['top_k'], c['top_p'])
+    # a new run never deletes or appends to another's checkpoints and metrics
+    held = checkpoint.run_files(c['out_dir'])
+    resume = "resume it with init_from='resume', " if 'latest' in held else ""
+    _need(not held or c['init_from'] == 'resume' or c['overwrite'],
+         f"out_dir='{c['out_dir']}' holds another run ({', '.join(held)}); {resume}"
+         f"name another out_dir, or say overwrite=True to replace it")
 
 
 def check_loss(s):
@@ -261,6 +270,64 @@ def loss_settings():
                 "entropy_mask")
     return {name: p.default for name, p in inspect.signature(loss.grpo_loss).parameters.items()
             if p.kind is p.KEYWORD_ONLY and name not in per_step}
+
+
+# a text whose ids differ between any two tokenizers that are not the same one
+PROBE = "What is 7 times 8? The answer: 56.\n\tHello, world!"
+
+
+def _same_ids(a, b):
+    """Whether tokenizers a and b give the same ids: vocabulary, special tokens, PROBE's."""
+    specials = sorted(a.special_tokens_set)
+    text = PROBE + "".join(specials)
+    ids = lambda enc: enc.encode(text, allowed_special="all")
+    return (a.n_vocab == b.n_vocab and specials == sorted(b.special_tokens_set)
+            and ids(a) == ids(b))
+
+
+def check_tokenizer(enc, tokenizer, init_from, state):
+    """A pretrained model is fed the ids it learnt, whatever the chat template. Where
+    init_from has a tokenizer of its own (a .gguf's, a tokenizer.json or vocab.json beside
+    the weights; a resumed run: the run's), tokenizer (enc) must give its ids; a model
+    that came without one must end text with an id the tokenizer has."""
+    own = None
+    if state:
+        own, whose = state['config']['tokenizer'], "the run in out_dir was trained with"
+    elif init_from != 'scratch':
+        if checkpoint.default_tokenizer(init_from, None) != 'bytes':
+            own, whose = init_from, f"init_from='{init_from}' comes with"
+    if own and os.path.realpath(own) != os.path.realpath(tokenizer):
+        theirs = get_tokenizer(own)
+        _need(_same_ids(enc, theirs),
+             f"{whose} its own tokenizer ({theirs.n_vocab} ids), but "
+             f"tokenizer='{tokenizer}' is another ({enc.n_vocab} ids): the model would "
+             f"read ids it never learnt; drop tokenizer= to use its own")
+    eos = eos_ids(init_from) if os.path.isdir(init_from) else None
+    _need(not eos or max(eos) < enc.n_vocab,
+         f"init_from='{init_from}' ends text with token id {max(eos or [0])}, which "
+         f"tokenizer '{tokenizer}' ({enc.n_vocab} ids) lacks; pick the tokenizer the "
+         f"model was trained with")
+
+
+def check_rewards(rows, cfg, enc, reward_fns, reward_weights):
+    """Every reward function called on the first train rows, each row's answer and an
+    empty completion standing in for the policy's, before any work: one that raises, or
+    returns other than a number (or None) per completion, fails here in one line, not
+    after the warm start. No random number is drawn and nothing of the run changes."""
+    rows, eos = rows[:2], cfg.eos_ids[0]
+    ids = [c for r in rows for c in ([*enc.encode_ordinary(r['answer']), eos], [eos])]
+    width = max(map(len, ids))
+    tokens = torch.tensor([c + [eos] * (width - len(c)) for c in ids])
+    mask = torch.arange(width) < torch.tensor([len(c) for c in ids])[:, None]
+    # a multi-turn run's episodes: finished, nothing observed
+    finished = [dict(finished=True, observations=[]) for _ in ids]
+    record = finished if cfg.environment else None
+    try:
+        score(rows, tokens, mask, cfg, enc, reward_fns, reward_weights, num_samples=2,
+              record=record)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (a check before any work, on train rows with stand-in "
+                          f"completions)") from e
 
 
 def check_fits(config, enc, tokenizer, block_size):

@@ -19,6 +19,7 @@ import torch
 
 from sampling import draw_uniforms, eos_tensor, sample
 from lib import cuda_graphs, multiturn
+from lib.parallelism import stopping
 
 # model -> its static cache: off the module, so state_dict and deepcopy skip it
 _CACHES = weakref.WeakKeyDictionary()
@@ -42,7 +43,8 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
     tokens so far; it returns the token ids of an observation to append (the row then goes on) or
     None (the row ends). The observation's tokens are in tokens, with mask False and logprobs 0:
     context, not the policy's actions. The calls of one step run in turn_workers threads (the
-    observations in row order), for a turns that depends on its arguments alone.
+    observations in row order), for a turns that depends on its arguments alone. A stop
+    signal (parallelism.stopping) ends the loop early: the run drops what the call sampled.
 
     The loop is engine.py's: each prompt prefilled once, straight into the cache rows of its
     samples, right-aligned so that the rows decode level (a per-row key mask hides the left
@@ -164,6 +166,9 @@ def _generate(model, prompts, max_new_tokens, samples_per_prompt, temperature, t
         if step % CHECK_EVERY == CHECK_EVERY - 1:  # the loop's only host syncs
             if not drop_finished(batch, columns, compact=not model.decode_graphs):
                 break  # every row has ended
+        # a stop signal: the run drops what this call samples, so it ends here
+        if stopping():
+            break
         decode(batch)
     return finish(out, eos, steps, device)
 

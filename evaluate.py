@@ -12,7 +12,7 @@ from data import default_reward
 from reward import get_reward_fns, pass_at_k
 from rollout import prompt_seed, sample, score
 from lib.measure import ticker
-from lib.parallelism import all_sum, gathered
+from lib.parallelism import all_sum, gathered, stopping
 
 
 # the built-in reward functions that say whether an answer is right, as opposed to how it is shaped
@@ -49,10 +49,13 @@ def greedy_hits(model, rows, seeds, cfg, enc, accuracy, tick=lambda done: None):
     """
     How many of rows the greedy completion gets right (accuracy >= 1), and the texts of the first
     three. The prompts go through the sampler prompts_per_step / world_size at a time, the rollout's
-    own batch, which is what fits in memory.
+    own batch, which is what fits in memory. A stop signal ends it early: its caller drops
+    the count.
     """
     per, hits, texts = max(1, cfg.prompts_per_step // cfg.world_size), 0, []
     for i in range(0, len(rows), per):
+        if stopping():
+            break
         part = rows[i:i + per]
         _, tokens, mask, _, record = sample(model, part, seeds[i:i + per], cfg, enc,
                                             temperature=0.0, num_samples=1)
@@ -69,7 +72,8 @@ def evaluate(model, test_rows, it, rank, cfg, enc, accuracy, every):
     Held-out greedy accuracy and unbiased pass@k (k = 1, 2, 4.. up to G) over all ranks, a progress
     line every `every` seconds, and this rank's first prompts with their greedy completions; right
     means that `accuracy` scores 1 or more. Under FSDP the whole weights are gathered once, for all
-    the sampler's steps.
+    the sampler's steps. A stop signal ends it early, every rank still summing its counts:
+    train.py then drops the numbers.
     """
     rows = test_rows[rank::cfg.world_size]
     # the same seeds at every evaluation: the numbers move only when the policy does
@@ -80,6 +84,8 @@ def evaluate(model, test_rows, it, rank, cfg, enc, accuracy, every):
                                     ticker(f"eval {it}, greedy", len(rows), 'prompts', every))
         tick = ticker(f"eval {it}, sampled", len(rows), 'prompts', every)
         for i in range(0, len(rows), per):
+            if stopping():
+                break
             part = rows[i:i + per]
             _, tokens, mask, _, record = sample(model, part, seeds[i:i + per], cfg, enc)
             correct, _, _, _ = score(part, tokens, mask, cfg, enc, [accuracy], [1.0], record=record)

@@ -23,7 +23,9 @@ a long completion never stalls the run) and compare numbers exactly, as written.
 """
 import math
 import numbers
+import os
 import re
+import traceback
 from decimal import Decimal
 from fractions import Fraction
 
@@ -300,7 +302,14 @@ def _show(completion):
     return r if len(r) <= 80 else r[:77] + "..."
 
 def _one_line(error):
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+    """The error and, where the function raised it (not the call: a missing argument), its
+    traceback's last frame: the user's line of code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    # relative where it is under the working directory: shorter
+    here = os.path.relpath(frames[-1].filename)
+    file = frames[-1].filename if here.startswith("..") else here
+    where = f" ({file}:{frames[-1].lineno})" if len(frames) > 1 else ""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}{where}"
 
 def _culprit(fn, prompts, completions, columns):
     """Call fn on one completion at a time to find the first it raises on or does not

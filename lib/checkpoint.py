@@ -22,7 +22,6 @@ import shlex
 import shutil
 import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -150,6 +149,28 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
     parallelism.barrier()
 
 
+RUN_FILES = ('latest', 'metrics.jsonl', 'config.json')  # beside the checkpoints
+
+
+def run_files(out_dir):
+    """What in out_dir belongs to a run, `latest` first: its checkpoints (one cut off mid-write
+    too), RUN_FILES. Not the warm start's cache, which any run with the same settings reuses."""
+    mine = lambda f: f.startswith(('ckpt-', '.ckpt-')) or f in RUN_FILES
+    files = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted(filter(mine, files), key=lambda f: (f != 'latest', f))
+
+
+def remove_run(out_dir):
+    """Delete the run out_dir holds (run_files), `latest` first: what is left of it is never taken
+    for a checkpoint."""
+    for f in run_files(out_dir):
+        path = os.path.join(out_dir, f)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
 def default_tokenizer(init_from, state):
     """The tokenizer of a run that names none: a resumed run's own, a checkpoint's (a .gguf's, or tokenizer.json or
     vocab.json beside the weights), else 'bytes'."""
@@ -211,37 +232,13 @@ def load_optimizer(path, optimizer, rank=None):
 
 
 # -----------------------------------------------------------------------------
-# preemption: SIGTERM (what SLURM and Kubernetes send before a kill) or Ctrl-C asks for a checkpoint at the next
-# iteration boundary; a second signal exits at once, leaving the last checkpoint as it is (the writes above are
-# atomic). A repeat within a second is the same request delivered twice: the terminal sends Ctrl-C to every process
-# and torchrun forwards what it gets to its workers.
-asked = dict(signal=0, time=0.0)
-
-
-def _on_signal(signum, frame):
-    if asked['signal'] and time.time() - asked['time'] > 1.0:
-        os._exit(128 + signum)
-    if not asked['signal']:
-        asked.update(signal=signum, time=time.time())
-
-
-def catch_stop_signals():
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-
-
-def stop_requested():
-    """The signal any rank got since catch_stop_signals (0: none), the same on every rank: every rank must call it
-    at the same point."""
-    sig = torch.tensor(asked['signal'])
-    if dist.is_initialized():
-        dist.all_reduce(sig, op=dist.ReduceOp.MAX)
-    return sig.item()
-
-
 def stopped_message(sig, it, out_dir, world_size):
-    """What a run stopped by signal sig before iteration it prints: where it is saved, the command that resumes it."""
-    stopped = f"stopped by {signal.Signals(sig).name} before iteration {it}: "
+    """What a run stopped by signal sig before iteration it (None: in the warm start, which saves
+    nothing until it ends) prints: where it is saved, the command that resumes it."""
+    name = signal.Signals(sig).name
+    if it is None:
+        return f"stopped by {name} in the warm start: nothing saved; the same command starts again"
+    stopped = f"stopped by {name} before iteration {it}: "
     where = read_json(os.path.join(out_dir, 'latest'))
     if not where:
         return stopped + "no checkpoint to resume from (the first steps were non-finite)"

@@ -216,9 +216,11 @@ def log(metrics, line, *, out_dir, wandb=None):
 
 
 def iteration_line(m, *, max_iters, eta, reward_fns):
-    """An iteration's line in the log, from its metrics m (iteration_metrics'); reward_fns past the first
-    (e.g. the format's) add their mean reward, and a reward model or judge the seconds of scoring."""
-    others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in reward_fns[1:])
+    """An iteration's line in the log, from its metrics m (iteration_metrics'); with several
+    reward functions each adds its mean reward (the total is their weighted sum), and a reward
+    model or judge the seconds of scoring."""
+    each = reward_fns if len(reward_fns) > 1 else ()
+    others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in each)
     models = any(f.__name__.startswith(('rm:', 'judge:')) for f in reward_fns)  # their forwards: a phase worth a look
     return (f"iter {m['iter']}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}"
             f"{others} | flat {m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc "

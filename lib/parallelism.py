@@ -7,7 +7,9 @@ weights for a rollout, and reading the sharded weights and optimizer state out f
 resume).
 """
 import os
+import signal
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -257,3 +259,67 @@ def end(code=0):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# -----------------------------------------------------------------------------
+# stopping: SIGTERM (what SLURM and Kubernetes send before a kill) or Ctrl-C asks the run to stop.
+# The long phases look at the flag (the warm start's steps, an evaluation's chunks, generate's
+# decode steps, the update until its first optimizer step), so train.py saves the state before the
+# iteration and exits within seconds. A second signal exits at once, or, while a checkpoint is being
+# written (writing()), once its files are complete: the writes are atomic, so the last checkpoint
+# is whole either way. A repeat within a second is the same request delivered twice: the terminal
+# sends Ctrl-C to every process and torchrun forwards what it gets to its workers.
+asked = dict(signal=0, time=0.0, writing=False, exit=0)
+
+
+def _say(text):
+    """Rank 0's line on stderr from a signal handler: os.write, since a print there could re-enter
+    one in progress."""
+    if os.environ.get('RANK', '0') == '0':
+        os.write(2, f"{text}\n".encode())
+
+
+def _on_signal(signum, frame):
+    name = signal.Signals(signum).name
+    if asked['signal'] and time.time() - asked['time'] > 1.0:
+        if not asked['writing']:
+            os._exit(128 + signum)
+        asked['exit'] = signum
+        _say(f"{name} again: exiting once the checkpoint being written is complete")
+    if not asked['signal']:
+        asked.update(signal=signum, time=time.time())
+        _say(f"{name}: stopping, after a checkpoint where there is one to save (a second {name} "
+             f"exits at once, the last checkpoint whole)")
+
+
+def catch_stop_signals():
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+
+def stopping():
+    """Whether this process got a stop signal: a phase whose result the stop drops may end early
+    on it (each rank on its own, so only between its collectives)."""
+    return asked['signal'] != 0
+
+
+def stop_requested():
+    """The signal any rank got since catch_stop_signals (0: none), the same on every rank: every
+    rank must call it at the same point."""
+    sig = torch.tensor(asked['signal'])
+    if dist.is_initialized():
+        dist.all_reduce(sig, op=dist.ReduceOp.MAX)
+    return sig.item()
+
+
+@contextmanager
+def writing():
+    """Files written inside are finished before a second stop signal exits: then at its end."""
+    asked['writing'] = True
+    try:
+        yield
+    finally:
+        asked['writing'] = False
+    if asked['exit']:
+        sys.stdout.flush()
+        os._exit(128 + asked['exit'])

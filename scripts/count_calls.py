@@ -8,7 +8,9 @@ $ python -m scripts.count_calls --plain=False     # the fast path; any train.py 
 """
 import os
 import runpy
+import shutil
 import sys
+import tempfile
 import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,8 +35,10 @@ def main(flags):
         if state["rollouts"] == 1 and inside and code.co_name not in UNNAMED and path != __file__:
             seen.setdefault(os.path.relpath(path, ROOT), set()).add(code.co_qualname)
 
+    # a folder of its own, removed after: never another run's, nor a second count's
+    out_dir = tempfile.mkdtemp(prefix="count_calls")
     sys.argv = ["train.py", "--plain=True", "--max_iters=2", "--sft_iters=0", "--eval_interval=0",
-                "--save_interval=0", "--out_dir=/tmp/count_calls", *flags]
+                "--save_interval=0", f"--out_dir={out_dir}", *flags]
     sys.path.insert(0, ROOT)
     os.chdir(ROOT)
     threading.setprofile(hook)
@@ -46,6 +50,7 @@ def main(flags):
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+        shutil.rmtree(out_dir, ignore_errors=True)
     functions = sum(len(names) for names in seen.values())
     print(f"one iteration ran {functions} named functions in {len(seen)} files of the project:")
     for path in sorted(seen):

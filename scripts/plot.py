@@ -27,6 +27,10 @@ def main(out_dirs):
         import matplotlib.pyplot as plt
     except ImportError:
         sys.exit("error: plot.py needs matplotlib: pip install matplotlib (or pip install -r requirements-extra.txt)")
+    for out_dir in out_dirs:
+        if not os.path.isfile(os.path.join(out_dir, 'metrics.jsonl')):
+            sys.exit(f"error: {out_dir} holds no metrics.jsonl; give the out_dir of a run "
+                     f"(train.py's out_dir)")
     fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
     for color, out_dir in zip(plt.rcParams['axes.prop_cycle'].by_key()['color'], out_dirs):
         train, evals = read(out_dir)

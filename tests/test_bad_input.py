@@ -1,12 +1,15 @@
 """
 A catalogue of bad input, through `python train.py` as a user types it: each case must exit non-zero with one line
-`error: ...` that says what is wrong (asserted), no traceback, and leave an existing checkpoint untouched. The cases
-run in forks of one process that has imported torch (tests/fork_run.py); one is also run as a plain `python train.py`
-to show that the fork changes nothing a user would see.
+`error: ...` that says what is wrong (asserted), no traceback, and leave an existing run untouched, even told to
+replace it (overwrite=True deletes it only once every check has passed). The cases run in forks of one process that
+has imported torch (tests/fork_run.py); one is also run as a plain `python train.py` to show that the fork changes
+nothing a user would see. Then what is found before any work: a reward function that raises, a tokenizer that is
+not the model's.
 """
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -63,6 +66,9 @@ def write_files(d):
     tok.update(normalizer=None, pre_tokenizer=dict(type='Metaspace', replacement='\u2581'))
     (d / 'metaspace' / 'tokenizer.json').write_text(json.dumps(tok))
     weights = open(os.path.join(FIXTURE, 'model.safetensors'), 'rb').read()
+    # a model with a tokenizer of its own beside it (544 ids in its 640 rows)
+    shutil.copytree(os.path.join(ROOT, 'tests', 'fixtures', 'tiny-qwen2-a'), d / 'own_tokenizer')
+    shutil.copy(os.path.join(ROOT, 'tests', 'fixtures', 'tiny-bpe-a', 'tokenizer.json'), d / 'own_tokenizer')
     for name, data in [('truncated', weights[:len(weights) // 2]), ('garbage', b'\x07' * 4096), ('noweights', None)]:
         (d / name).mkdir()
         (d / name / 'config.json').write_text(open(os.path.join(FIXTURE, 'config.json')).read())
@@ -70,9 +76,11 @@ def write_files(d):
             (d / name / 'model.safetensors').write_bytes(data)
 
 
-# (name, arguments, what the error line must contain); {d} is the folder of write_files, {ckpt} an out_dir holding
-# a good checkpoint, which no case may change
+# (name, arguments, what the error line must contain); {d} is the folder of write_files. Every case runs into an
+# out_dir holding a finished run, with overwrite=True (but the first): no case may change it
 CASES = [
+    ('out_dir holds a run', ['--overwrite=False'], "holds another run (latest, ckpt-000001, config.json, "
+     "metrics.jsonl); resume it with init_from='resume', name another out_dir, or say overwrite=True"),
     ('unknown key', ['--lerning_rate=1e-3'], "unknown config key 'lerning_rate'. Did you mean learning_rate"),
     ('wrong type', ['--max_iters=ten'], "config key 'max_iters' expects int, got str 'ten'"),
     ('bool as int', ['--compile=1'], "config key 'compile' expects bool, got int 1"),
@@ -129,11 +137,15 @@ CASES = [
     ('reward weights mismatch', ["--reward_funcs=('exact_match', 'format')", "--reward_weights=(1.0,)"],
      "2 reward functions but 1 weights"),
     ('reward not importable', ["--reward_funcs=('rewards_mod:nope',)"], "'rewards_mod:nope' cannot be imported"),
-    ('reward raises', ["--reward_funcs=('rewards_mod:raises',)"], "reward function raises raised ZeroDivisionError"),
-    ('reward wrong length', ["--reward_funcs=('rewards_mod:short',)"], "reward function short returned 15 values"),
+    ('reward raises', ["--reward_funcs=('rewards_mod:raises',)"],
+     "reward function raises raised ZeroDivisionError: float division by zero ({d}/rewards_mod.py:4) on completion"),
+    ('reward wrong length', ["--reward_funcs=('rewards_mod:short',)"], "reward function short returned 3 values"),
     ('reward NaN', ["--reward_funcs=('rewards_mod:nan',)"], "reward function nan returned nan"),
     ('reward wrong type', ["--reward_funcs=('rewards_mod:text',)"], "reward function text returned 'good'"),
     ('tokenizer too big for model', ['--tokenizer=bytes', '--init_from={d}/small_vocab'], "vocab_size 100 <"),
+    ('tokenizer not the model\'s own', ['--tokenizer=bytes', '--chat_template=none', '--init_from={d}/own_tokenizer',
+                                       '--sft_iters=0'],
+     "init_from='{d}/own_tokenizer' comes with its own tokenizer (544 ids), but tokenizer='bytes' is another (257 ids)"),
     ('SentencePiece layout not reproduced', ['--tokenizer={d}/metaspace'],
      "metaspace/tokenizer.json: normalizer [] is not Replace(' ', '▁')"),
     ('a causal LM as reward model', ["--reward_funcs=('exact_match', 'rm:" + FIXTURE + "')"],
@@ -176,8 +188,8 @@ def setup(tmp_path_factory):
 def test_bad_input_catalogue(setup, tmp_path):
     d, ckpt = setup
     before = digest(ckpt)
-    runs = [dict(args=[*TINY, '--max_iters=1', f'--out_dir={ckpt}', *(a.replace('{d}', str(d)) for a in args)],
-                 path=str(d)) for _, args, _ in CASES]
+    runs = [dict(args=[*TINY, '--max_iters=1', f'--out_dir={ckpt}', '--overwrite=True',
+                       *(a.replace('{d}', str(d)) for a in args)], path=str(d)) for _, args, _ in CASES]
     (tmp_path / 'runs.json').write_text(json.dumps(runs))
     subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'fork_run.py'), tmp_path / 'runs.json',
                     tmp_path / 'results.json'], env=dict(os.environ, OMP_NUM_THREADS='1'), check=True, timeout=600)
@@ -189,7 +201,7 @@ def test_bad_input_catalogue(setup, tmp_path):
     for (name, _, expected), p in zip(CASES, results):
         lines = p['stderr'].strip().splitlines()
         ok = (p['rc'] != 0 and 'Traceback' not in p['stderr'] and len(lines) >= 1
-              and lines[-1].startswith('error: ') and expected in lines[-1])
+              and lines[-1].startswith('error: ') and expected.replace('{d}', str(d)) in lines[-1])
         if not ok:
             failures.append(f"{name}: rc={p['rc']}\n{p['stderr'][-1500:]}")
     assert not failures, '\n\n'.join(failures)
@@ -206,3 +218,49 @@ def test_a_bug_keeps_its_traceback(tmp_path):
     assert p.returncode != 0 and 'Traceback' in p.stderr and 'forked.py", line 2, in unpack' in p.stderr
     assert p.stderr.strip().splitlines()[-1] == 'ValueError: too many values to unpack (expected 2)'
     assert 'error: ' not in p.stderr
+
+
+def test_a_raising_reward_fails_before_any_work(setup, tmp_path):
+    """Each reward function is called on train rows with stand-in completions at start: one that raises stops the
+    run in one line naming it and the line of its own code that raised, before the warm start, with nothing
+    written."""
+    d, _ = setup
+    out = tmp_path / 'out'
+    p = subprocess.run([sys.executable, 'train.py', *TINY, '--sft_iters=50', '--eval_interval=1', f'--out_dir={out}',
+                        "--reward_funcs=('exact_match', 'rewards_mod:raises')"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(d)))
+    assert p.returncode != 0 and 'Traceback' not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        f"error: reward function raises raised ZeroDivisionError: float division by zero ({d}/rewards_mod.py:4)")
+    assert 'warm start' not in p.stdout and 'eval 0' not in p.stdout and not out.exists()
+
+
+def test_a_tokenizer_is_the_model_s_own_or_refused(setup, tmp_path):
+    """check_tokenizer: where the model has a tokenizer of its own, another one is refused and the same one passes,
+    whatever path names it; a model without one must end text with an id the tokenizer has."""
+    from configurator import ConfigError, check_tokenizer
+    from lib.tokenizer import get_tokenizer
+    d, _ = setup
+    own = str(d / 'own_tokenizer')
+    shutil.copy(os.path.join(own, 'tokenizer.json'), tmp_path / 'copy.json')
+    for same in (own, os.path.join(own, 'tokenizer.json'), str(tmp_path / 'copy.json')):
+        check_tokenizer(get_tokenizer(same), same, own, None)
+    for other in ('bytes', os.path.join(ROOT, 'tests', 'fixtures', 'tiny-gemma3', 'tokenizer.json')):
+        with pytest.raises(ConfigError, match="comes with its own tokenizer"):
+            check_tokenizer(get_tokenizer(other), other, own, None)
+    with pytest.raises(ConfigError, match="the run in out_dir was trained with its own tokenizer"):
+        check_tokenizer(get_tokenizer('bytes'), 'bytes', 'resume', dict(config=dict(tokenizer=own)))
+    bare = shutil.copytree(os.path.join(ROOT, 'tests', 'fixtures', 'tiny-qwen2-a'), tmp_path / 'bare')
+    check_tokenizer(get_tokenizer('bytes'), 'bytes', str(bare), None)  # no tokenizer of its own, no eos: fits
+    (bare / 'generation_config.json').write_text(json.dumps(dict(eos_token_id=[5, 600])))
+    with pytest.raises(ConfigError, match="ends text with token id 600, which tokenizer 'bytes' .257 ids. lacks"):
+        check_tokenizer(get_tokenizer('bytes'), 'bytes', str(bare), None)
+
+
+def test_plot_of_a_folder_without_a_run_is_one_line(tmp_path):
+    pytest.importorskip('matplotlib')
+    for folder in (tmp_path / 'nowhere', tmp_path):
+        p = subprocess.run([sys.executable, 'scripts/plot.py', str(folder)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode != 0 and p.stderr.splitlines() == [
+            f"error: {folder} holds no metrics.jsonl; give the out_dir of a run (train.py's out_dir)"], p.stderr

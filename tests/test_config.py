@@ -35,8 +35,8 @@ def train_defaults():
 DEFAULTS = train_defaults()
 
 
-def test_defaults_and_every_recipe_pass_the_checks():
-    check_config(configure(DEFAULTS, []), world_size=1)
+def test_defaults_and_every_recipe_pass_the_checks(tmp_path):
+    check_config(dict(configure(DEFAULTS, []), out_dir=str(tmp_path)), world_size=1)
     check_loss(configure(DEFAULTS, []))
     for name in sorted(os.listdir(os.path.join(ROOT, 'config'))):
         try:
@@ -46,6 +46,7 @@ def test_defaults_and_every_recipe_pass_the_checks():
             continue
         if c['init_from'] != 'scratch':  # GPU recipes: the weights are the user's to download
             c['init_from'] = 'scratch'
+        c['out_dir'] = str(tmp_path)  # not a run of the user's in the working directory
         check_config(c, world_size=8 if 'gpt2' in name else 2)
         check_loss(c)
 

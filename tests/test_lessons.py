@@ -62,14 +62,19 @@ def apply(patch, directory):
     assert p.returncode == 0, f"{patch} no longer applies to the current code:\n{p.stdout}{p.stderr}"
 
 
-@pytest.mark.parametrize("patch", sorted(p for p in os.listdir(SOLUTIONS) if p.endswith(".patch")))
-def test_every_solution_applies_exactly(patch):
-    """git apply --check on the repository itself: every patch of docs/solutions/, with no fuzz."""
+@pytest.mark.skipif(MINE, reason="your working tree holds your own answers, which the solutions need not fit")
+def test_every_solution_applies_exactly():
+    """git apply --check on the repository itself: every patch of docs/solutions/, with no fuzz. One test, named
+    after no exercise, so that an exercise's `-k` check never selects it."""
     if not shutil.which("git"):
         pytest.skip("git is not installed")
-    p = subprocess.run(["git", "apply", "--check", "-p1", os.path.join(SOLUTIONS, patch)], cwd=ROOT,
-                       capture_output=True, text=True)
-    assert p.returncode == 0, f"{patch} no longer applies to the current code:\n{p.stderr}"
+    failed = {}
+    for patch in sorted(p for p in os.listdir(SOLUTIONS) if p.endswith(".patch")):
+        p = subprocess.run(["git", "apply", "--check", "-p1", os.path.join(SOLUTIONS, patch)], cwd=ROOT,
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            failed[patch] = p.stderr
+    assert not failed, f"no longer apply to the current code: {failed}"
 
 
 def solved(tmp_path, patch):
@@ -424,3 +429,87 @@ def test_lessons_quote_code_that_is_in_the_source():
     assert len(quoted) > 15
     missing = [span for span in quoted if span not in source]
     assert not missing, f"quoted in docs/lessons.md but no longer in the code: {missing}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# each exercise's documented check, run as the page says, on a right answer and on a wrong one
+
+def wrong(path, right, bad):
+    """Make the answer in `path` wrong: its text `right` becomes `bad`."""
+    with open(path) as f:
+        text = f.read()
+    assert right in text, (path, right)
+    with open(path, "w") as f:
+        f.write(text.replace(right, bad))
+
+
+# keyword of the page's `-k` check: how to give the right answer in a copy of the repository, how to spoil it
+ANSWERS = {
+    "median": (lambda d: apply("median_baseline.patch", d),
+               lambda d: wrong(os.path.join(d, "loss.py"), "[(n - 1) // 2, n // 2]", "[n // 2, n // 2]")),
+    "length_penalty": (lambda d: shutil.copy(os.path.join(SOLUTIONS, "length_penalty.py"), d),
+                       lambda d: wrong(os.path.join(d, "length_penalty.py"), "len(ids) / max_completion_length "
+                                       "for ids in completion_ids", "len(c) / max_completion_length for c in "
+                                       "completions")),
+    "reverse": (lambda d: apply("reverse_task.patch", d),
+                lambda d: wrong(os.path.join(d, "data.py"), '"answer": word[::-1]', '"answer": word')),
+}
+
+
+def checks():
+    """The `LESSONS_CHECK=mine python -m pytest ...` commands of docs/lessons.md, by their -k keyword."""
+    found = re.findall(r"`LESSONS_CHECK=mine (python -m pytest tests/test_lessons.py -k (\w+))`", lessons())
+    return {keyword: command for command, keyword in found}
+
+
+def test_every_exercise_check_is_tested():
+    assert sorted(checks()) == sorted(ANSWERS)
+
+
+def run_check(directory, command):
+    """The page's command, as a student types it, in directory; (exit code, the test ids it ran, output)."""
+    env = dict(os.environ, LESSONS_CHECK="mine", OMP_NUM_THREADS="1")
+    python, *args = command.split()  # the python of this environment, as a student's venv's
+    assert python == "python", command
+    p = subprocess.run([sys.executable, *args, "-rA", "-p", "no:cacheprovider"], cwd=directory, env=env,
+                       capture_output=True, text=True, timeout=600)
+    ran = re.findall(r"^(?:PASSED|FAILED|ERROR|SKIPPED) (\S+)", p.stdout, re.MULTILINE)
+    return p.returncode, ran, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def student_copy(directory):
+    """What a student's clone holds for the checks: the code, the tests, pytest.ini, the page and its solutions."""
+    directory = copy_repo(directory)
+    for name in os.listdir(os.path.join(ROOT, "tests")):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, "tests", name), os.path.join(directory, "tests"))
+    shutil.copy(os.path.join(ROOT, "pytest.ini"), directory)
+    shutil.copytree(SOLUTIONS, os.path.join(directory, "docs", "solutions"))
+    shutil.copy(os.path.join(DOCS, "lessons.md"), os.path.join(directory, "docs"))
+    return directory
+
+
+@mine_skip
+@pytest.mark.parametrize("keyword", ["median", "length_penalty", "reverse"], ids=["ex1", "ex2", "ex3"])
+def test_an_exercise_check_passes_a_right_answer_and_fails_a_wrong_one(keyword, tmp_path):
+    """Apply the solution, run the page's check: it passes, having run this exercise's tests alone; spoil the
+    answer: it fails."""
+    directory = student_copy(tmp_path / "student")
+    right, spoil = ANSWERS[keyword]
+    right(directory)
+    code, ran, out = run_check(directory, checks()[keyword])
+    assert code == 0 and ran, out
+    assert all(t.startswith(f"tests/test_lessons.py::test_{keyword}_") for t in ran), ran  # its own tests only
+    spoil(directory)
+    code, _, out = run_check(directory, checks()[keyword])
+    assert code == 1 and " failed" in out, out
+
+
+@mine_skip
+def test_the_break_exercise_check_fails_on_the_break(tmp_path):
+    """Exercise 5's check, run as the page says on its break (the solution): it fails, on split invariance tests."""
+    command = re.search(r"`(python -m pytest tests/test_loss.py -k split_invariance)` should now fail", lessons())
+    directory = student_copy(tmp_path / "student")
+    apply("per_micro_batch_tokens.patch", directory)
+    code, ran, out = run_check(directory, command.group(1))
+    assert code == 1 and ran and all("split_invariance" in t for t in ran), out

@@ -467,8 +467,9 @@ def test_raising_only_on_the_batch():
         if len(completions) != 1 or max_completion_length != 8:
             raise RuntimeError("batch too big")
         return [0.0]
-    with pytest.raises(ValueError, match="reward function one_at_a_time raised RuntimeError: batch too big on a batch "
-                                         "of 2 completions \\(but on none of them alone\\), e.g. '4'"):
+    with pytest.raises(ValueError, match="reward function one_at_a_time raised RuntimeError: batch too big "
+                                         "\\(\\S*test_reward.py:\\d+\\) on a batch of 2 completions \\(but on "
+                                         "none of them alone\\), e.g. '4'"):
         compute_rewards([one_at_a_time], [1.0], *batch(["4", "5"]))
 
 def test_missing_column_is_reported():

@@ -1,8 +1,10 @@
 """train.py end to end, as a user runs it: every recipe for two iterations, and a 2-process torchrun (gloo)."""
 import ast
+import glob
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,12 +77,31 @@ def test_a_checkpoint_is_evaluated_without_training(tmp_path):
     assert os.listdir(tmp_path / 'eval') == ['metrics.jsonl'] and [m['iter'] for m in metrics(tmp_path / 'eval')] == [0]
 
 
+def test_a_second_run_never_lands_on_the_first(tmp_path):
+    """A new run into an out_dir that holds another is refused in one line and changes nothing there; overwrite=True
+    replaces it (its checkpoints and metrics go, the warm start's cache stays and is reused)."""
+    out = tmp_path / 'out'
+    run(['--max_iters=2'], out)
+    before = {f: open(f, 'rb').read() for f in glob.glob(f'{out}/**', recursive=True) if os.path.isfile(f)}
+    p = run(['--max_iters=1'], out, check=False)
+    assert p.returncode != 0 and p.stderr.splitlines() == [
+        f"error: out_dir='{out}' holds another run (latest, ckpt-000002, config.json, metrics.jsonl); resume it "
+        f"with init_from='resume', name another out_dir, or say overwrite=True to replace it"], p.stderr
+    assert {f: open(f, 'rb').read() for f in glob.glob(f'{out}/**', recursive=True) if os.path.isfile(f)} == before
+    p = run(['--max_iters=1', '--overwrite=True'], out)
+    assert 'warm start: loaded' in p.stdout
+    assert [m['iter'] for m in metrics(out)] == [0, 0, 1]  # eval 0, iteration 0, eval 1: this run's alone
+    assert json.load(open(out / 'latest')) == 'ckpt-000001' and not (out / 'ckpt-000002').exists()
+
+
 def test_dtype_auto_trains_in_the_faster_dtype(tmp_path, monkeypatch):
     """dtype='auto': bf16 autocast where this machine's bf16 matmuls run at least twice as fast as float32 (AMX, GPUs),
-    else float32; the run records which one it chose, and the rule is the one measure.fastest_dtype states."""
-    run(['--max_iters=1', '--dtype=auto', '--save_interval=1'], tmp_path / 'out')
+    else float32; the run records which one it chose and says so at the start, and the rule is the one
+    measure.fastest_dtype states."""
+    p = run(['--max_iters=1', '--dtype=auto', '--save_interval=1'], tmp_path / 'out')
     chosen = json.load(open(tmp_path / 'out' / json.load(open(tmp_path / 'out' / 'latest')) / 'trainer.json'))
     assert chosen['config']['dtype'] == measure.fastest_dtype('cpu') in ('bfloat16', 'float32')
+    assert f"dtype='auto' ({chosen['config']['dtype']})" in p.stdout  # the start line says what it chose
     for bf16, fp32, expected in ((1.0, 0.6, 'float32'), (1.2, 0.6, 'bfloat16'), (0.01, 0.2, 'float32')):
         monkeypatch.setattr(measure, 'matmul_peak', lambda device, dtype: (bf16 if dtype == torch.bfloat16 else fp32,))
         assert measure.fastest_dtype('cpu') == expected
@@ -198,7 +219,8 @@ def test_warm_start_stops_at_its_target_accuracy(tmp_path):
 
 def test_readme_s_brevity_example_logs_the_verifier_s_accuracy(tmp_path, monkeypatch):
     """README's --reward_funcs="('myrewards:brevity', 'exact_match')", brevity = 1 / (1 + length) first:
-    the start names exact_match as the accuracy, and acc is exact_match's share of right answers."""
+    the start names exact_match as the accuracy, acc is exact_match's share of right answers, and each
+    iteration's line shows both functions' means, the user's first."""
     (tmp_path / 'myrewards.py').write_text('def brevity(prompts, completions, **kwargs):\n'
                                            '    return [1 / (1 + len(c)) for c in completions]\n')
     monkeypatch.setenv('PYTHONPATH', str(tmp_path))
@@ -207,6 +229,7 @@ def test_readme_s_brevity_example_logs_the_verifier_s_accuracy(tmp_path, monkeyp
     assert "accuracy: exact_match (the task's verifier)\n" in p.stdout
     rows = [m for m in metrics(tmp_path / 'out') if 'acc' in m]
     assert len(rows) == 2 and all(m['acc'] == m['reward/exact_match'] for m in rows)
+    assert re.search(r"^iter 1/2: .* \| acc [\d.]+ \| brevity [\d.]+ \| exact_match [\d.]+ \| flat", p.stdout, re.M)
 
 
 def test_warm_start_is_cached_while_its_settings_match(tmp_path):
