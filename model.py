@@ -84,7 +84,9 @@ class CausalSelfAttention(nn.Module):
         qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim
         self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.bias or config.qkv_bias)
         self.c_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.bias)
-        if config.qk_norm:  # Qwen3, Gemma 3: each head's q and k RMS-normalised, before rotary
+        # Qwen3, Gemma 3: each head's q and k RMS-normalised, before rotary
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
             self.q_norm, self.k_norm = norm(config, config.head_dim), norm(config, config.head_dim)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
@@ -96,7 +98,7 @@ class CausalSelfAttention(nn.Module):
         nh, nkv, hs = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.c_attn(x).split([nh * hs, nkv * hs, nkv * hs], dim=2)
         q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.view(B, T, nkv, hs)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh or nkv, T, hs)
         if rope is not None:
@@ -154,14 +156,16 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = norm(config)
         self.mlp = MLP(config)
-        if config.model_type == "gemma3_text":  # Gemma: attention and MLP outputs normalised too
+        # Gemma: attention and MLP outputs normalised too
+        self.post_norms = config.model_type == "gemma3_text"
+        if self.post_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(config), norm(config)
 
     def forward(self, x, rope=None, kv=None, col=0, key_mask=None):
         y = self.attn(self.ln_1(x), rope, kv, col, key_mask)
-        x = x + (self.post_attn_norm(y) if hasattr(self, "post_attn_norm") else y)
+        x = x + (self.post_attn_norm(y) if self.post_norms else y)
         y = self.mlp(self.ln_2(x))
-        return x + (self.post_mlp_norm(y) if hasattr(self, "post_mlp_norm") else y)
+        return x + (self.post_mlp_norm(y) if self.post_norms else y)
 
 @dataclass
 class GPTConfig:
@@ -250,7 +254,7 @@ class GPT(nn.Module):
         if pos is not None and kv is None:
             key_mask = packing.attention_mask(pos)  # (B, 1, T, T)
         if pos is None:
-            self.check_length(T, "the sequence")
+            assert T <= cfg.block_size, f"{T} tokens, more than block_size {cfg.block_size}"
             pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
         if cfg.model_type == "gemma3_text":  # Gemma: times sqrt(n_embd), rounded to float32 first
@@ -346,9 +350,9 @@ class GPT(nn.Module):
         temperature=0: greedy. turns: multi-turn observations. plain=True (one turn):
         sampling.generate, rereading all rows each step, else engine.py's KV-cache loop; the same
         draws. A method so that FSDP makes it a root entry (parallelism.shard): a first call, before
-        any forward, sets up the sharded model."""
-        sampling.check_generate(self, prompts, max_new_tokens, num_samples, temperature, top_k,
-                                top_p, eos_id, turns)
+        any forward, sets up the sharded model. The arguments are not checked here, on every
+        call: sampling.check_generate checks them, once (a run checks its own at start: the
+        prompts' lengths in data.py, the sampling settings in configurator.py)."""
         was_training = self.training
         self.eval()  # no dropout while sampling
         try:

@@ -31,7 +31,6 @@ from reward import compute_rewards
 from lib import multiturn, packing
 from lib.chat import encode_prompt, text_of
 from lib.lora import adapters_off, merged
-from lib.measure import lap
 from lib.parallelism import gather, gathered
 
 
@@ -160,14 +159,17 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     G = cfg.num_generations
     device = next(model.parameters()).device
     rows, kept, dropped, rounds = step_rows(train_rows, it, rank, cfg), [], 0, 0
-    times, since = {}, time.perf_counter()
+    # each phase's seconds, as nanoGPT takes dt: the clock read after it
+    times, since = dict(generate=0.0, reward=0.0), time.perf_counter()
     while True:  # once, or with dynamic sampling until the batch holds enough informative groups
         seeds = [prompt_seed(cfg.seed, it, r['_id']) for r in rows]
         prompts, tokens, mask, logps, record = sample(model, rows, seeds, cfg, enc)
-        since = lap(times, 'generate', since, device)
+        times['generate'] += time.perf_counter() - since
+        since = time.perf_counter()
         rewards, truncated, _, per_fn = score(rows, tokens, mask, cfg, enc, reward_fns,
                                               reward_weights, record=record)
-        since = lap(times, 'reward', since, device)
+        times['reward'] += time.perf_counter() - since
+        since = time.perf_counter()
         scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]]
                                for f in reward_fns], dtype=torch.float64).T
         per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated,
@@ -199,7 +201,6 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
     batch = dict(idx=idx.to(device), start=start.to(device), mask=mask.to(device),
                  sampler_logps=sampler_logps.to(device))
     batch['old_logps'] = batch['sampler_logps']
-    since = lap(times, 'reward', since, device)  # packing the batch counts with scoring
     full_softmax = (cfg.top_k, cfg.top_p) != (None, None) and not cfg.truncate_logprobs
     if (cfg.autocast or full_softmax) and not cfg.on_policy or full_softmax and cfg.kl_in_reward:
         # Generate's log-probs are of the distribution it drew from (log q with top-k/top-p), the
@@ -216,7 +217,7 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         # DAPO overlong filtering: a cut-off answer is neither right nor wrong.
         batch['mask'] = batch['mask'] & ~truncated.to(device)[:, None]
 
-    since = lap(times, 'logprobs', since, device)
+    times['logprobs'] = time.perf_counter() - since
 
     # Advantages over all ranks' groups, so that 'batch' std scaling is the same on any layout.
     shaped = rewards.clone()
@@ -230,7 +231,6 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
                                       cfg.advantage_estimator)
     B = len(shaped)
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
-    lap(times, 'comm', since, device)  # gathering the rewards dominates this part
     episode_counts = {k: cat(k) for k in ('calls', 'errors')} if 'calls' in kept[0] else {}
     info = dict(time=times, rewards=rewards, scores=scores, lengths=lengths, truncated=truncated,
                 dropped_groups=dropped, **episode_counts)

@@ -8,7 +8,7 @@ import math
 import torch
 
 from lib.errors import ConfigError
-from lib.parallelism import stopping
+from lib.parallelism import asked
 from lib.truncation import candidates
 
 
@@ -20,10 +20,11 @@ def check_sampling(top_k, top_p):
         raise ConfigError(f"top_p={top_p!r} must be None or in (0, 1]")
 
 
-def check_generate(model, prompts, max_new_tokens, num_samples, temperature, top_k, top_p, eos_id,
-                   turns):
-    """GPT.generate's arguments, checked before it samples anything (its docstring says what each
-    means); each prompt with max_new_tokens must fit the model (GPT.check_length)."""
+def check_generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None,
+                   top_p=None, eos_id=None, turns=None):
+    """GPT.generate's arguments (its docstring says what each means), checked once by its
+    caller, not by generate on every call; each prompt with max_new_tokens must fit the model
+    (GPT.check_length)."""
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty: generate needs at least one prompt token to "
@@ -144,6 +145,6 @@ def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, 
         if eos is not None:  # a row keeps its eos, and ends there
             done = done | torch.isin(tok, eos)
         # a stop signal: the run drops what this call samples, so it ends here
-        if done.all() or stopping():
+        if done.all() or asked['signal']:
             break
     return torch.stack(tokens, 1), torch.stack(mask, 1), torch.stack(logps, 1)

@@ -31,8 +31,8 @@ from rollout import (last_counted, micro_batches, prompt_seed, rollout, rollout_
 import sft
 from lib import chat, checkpoint, lora, multiturn, parallelism
 from lib.errors import need_package
-from lib.measure import (add_stats, add_work, fastest_dtype, iteration_line, iteration_metrics,
-                         lap, log, matmul_peak, memory_mb, resident_mb, update_stats)
+from lib.measure import (fastest_dtype, iteration_line, log, matmul_peak, memory_mb, resident_mb,
+                         update_metrics)
 from lib.parallelism import all_sum, gathered
 from lib.tokenizer import get_tokenizer
 
@@ -228,7 +228,8 @@ def stop_if_signalled(it):
     save the state before iteration `it` (None: in the warm start, nothing to save), print
     how to resume and exit with 128 + its number (resume redoes a dropped rollout or
     evaluation exactly)."""
-    sig = parallelism.stop_requested()
+    # the signal: a vote over the ranks, or the one this process got
+    sig = parallelism.stop_requested() if distributed else parallelism.asked['signal']
     if sig:
         if it is not None and bad_in_row == 0 and it != saved_it:
             save(it)
@@ -302,7 +303,8 @@ for it in range(iter_start, max_iters + 1):
     mem_rollout, t1 = memory_mb(device), time.perf_counter()
     stop_if_signalled(it)  # the rollout is the long part; resume redoes it exactly
     # the update: num_iterations (mu) passes over the batch, of steps_per_generation optimizer steps
-    times, sums, work, bad, t = info['time'], {}, {}, 0, t1
+    # what the log needs of each micro-batch, made into the log's numbers after the update
+    stats, shapes, bad = [], [], 0
     rows = len(batch['idx']) // steps_per_generation  # this rank's completions per optimizer step
     for n in range(num_iterations):
         for s in range(steps_per_generation):
@@ -312,7 +314,6 @@ for it in range(iter_start, max_iters + 1):
                 num_tokens = all_sum(num_tokens)  # on every rank
             if top_entropy_quantile < 1:
                 step_batch['entropy_mask'] = top_entropy_mask(raw_model, step_batch, cfg)
-            t = lap(times, 'comm', t, device)
             for m, (_, mb) in enumerate(micro_batches(step_batch, micro_batch_size, plain)):
                 # until the first optimizer step the state is the one before the iteration
                 if n == s == 0:
@@ -326,13 +327,12 @@ for it in range(iter_start, max_iters + 1):
                         plain=plain, **cfg.truncation)
                 old, advantages, sampler = (mb[k].to(logps.dtype)
                                             for k in ('old_logps', 'advantages', 'sampler_logps'))
-                loss, stats = loss_fn(logps, None if cfg.on_policy else old, mb.get('ref_logps'),
+                loss, mb_stats = loss_fn(logps, None if cfg.on_policy else old, mb.get('ref_logps'),
                     advantages, mb['mask'], num_sequences=rows * world_size, num_tokens=num_tokens,
                     sampler_logps=sampler, entropy=entropy, entropy_mask=mb.get('entropy_mask'))
                 (loss * world_size).backward()  # DDP and FSDP average over ranks: the loss is a sum
-                add_stats(sums, stats, MAX_STATS)  # shares of the step's means add up
-                add_work(work, mb, counted, raw_model)  # FLOPs and padding, for the log
-            t = lap(times, 'backward', t, device)  # DDP's all-reduce overlaps the last backward
+                stats.append(mb_stats)
+                shapes.append((*mb['idx'].shape, int(counted.sum()), mb['tokens'], mb['row_tokens']))
             norm = clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
             if distributed:  # the ranks share one gradient, but a NaN on one must stop them all
                 norm, finite = parallelism.all_finite(norm)
@@ -345,21 +345,21 @@ for it in range(iter_start, max_iters + 1):
                 step += 1
             bad += not finite
             optimizer.zero_grad(set_to_none=True)
-            t = lap(times, 'optimizer', t, device)
     bad_in_row = bad_in_row + bad if bad else 0
     if bad_in_row >= max_bad_steps:
         raise SystemExit(f"error: {bad_in_row} optimizer steps in a row had a non-finite loss or "
             f"gradient (iteration {it}); the last good checkpoint in {out_dir} is intact. Lower "
             f"learning_rate or check the rewards, then resume with init_from='resume'")
-    # each step's token means, averaged over the steps, the maxima over all of them, and the work
-    stats = update_stats(sums, work, maxima=MAX_STATS, steps=num_iterations * steps_per_generation,
-                         distributed=distributed)
-    m = iteration_metrics(it, rollout_metrics(info, cfg, reward_fns, accuracy),
-                          dict(stats, grad_norm=norm.item(), lr=get_lr(max(step - 1, 0)),
-                               bad_steps=bad),
-                          times=times, clock=(t0, t1, time.perf_counter()), peak=peak,
-                          world_size=world_size, mem_mb=max(mem_rollout, memory_mb(device)),
-                          **resident_mb(raw_model, optimizer, ref_model))
+    # the log's numbers, once: the update's (norm.item() waits for the device), then the rest
+    grad_norm, t2 = norm.item(), time.perf_counter()
+    speed, update = update_metrics(stats, shapes, model=raw_model, maxima=MAX_STATS,
+        steps=num_iterations * steps_per_generation, seconds=t2 - t1, peak=peak,
+        world_size=world_size, distributed=distributed)
+    m = dict(iter=it, **rollout_metrics(info, cfg, reward_fns, accuracy), **speed, dt=t2 - t0,
+             mem_mb=max(mem_rollout, memory_mb(device)),
+             **resident_mb(raw_model, optimizer, ref_model), **update, grad_norm=grad_norm,
+             lr=get_lr(max(step - 1, 0)), bad_steps=bad,
+             **{f'time/{k}': v for k, v in info['time'].items()})
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evals included
     if master:
         line = iteration_line(m, max_iters=max_iters, eta=eta, reward_fns=reward_fns)

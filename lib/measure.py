@@ -42,15 +42,6 @@ def timed(fn, device, repeat, warmup=1):
     return timed_rounds([fn], device, repeat, warmup)[0]
 
 
-def lap(times, key, since, device):
-    """Add the wall time since `since` to times[key] (after the device's queued work), and return now, the start
-    of the next phase."""
-    sync(device)
-    now = time.perf_counter()
-    times[key] = times.get(key, 0.0) + now - since
-    return now
-
-
 @functools.lru_cache(maxsize=4)  # once per process and dtype: tests run train.py many times in one process
 def matmul_peak(device, dtype=torch.float32, repeat=5):
     """The machine's own matmul throughput in FLOP/s in `dtype` (a big square matmul), and what was measured. MFU
@@ -102,50 +93,34 @@ def mfu(flops, seconds, peak, world_size):
     return flops / seconds / (peak * world_size)
 
 
-def iteration_metrics(it, rollout, update, *, times, clock, peak, world_size, **more):
-    """An iteration's record: the rollout's metrics, the update's tokens/s and MFU (from its stats' 'train_tokens' and
-    'flops', over all ranks), the iteration's seconds, more (memory), the update's other stats, each phase's seconds.
-    clock: the iteration's start, the update's start, its end."""
-    seconds = clock[2] - clock[1]
-    return dict(iter=it, **rollout, train_tok_s=update.pop('train_tokens') / seconds,
-                mfu=mfu(update.pop('flops'), seconds, peak, world_size), dt=clock[2] - clock[0], **more, **update,
-                **{f'time/{k}': v for k, v in times.items()})
-
-
-def add_stats(total, stats, maxima):
-    """Add one micro-batch's stats (grpo_loss's: its shares of the step's token means) into total, in float64;
-    those named in maxima keep the largest instead of the sum."""
-    for k, v in stats.items():
-        v = v.detach().double()
-        total[k] = v if k not in total else total[k].maximum(v) if k in maxima else total[k] + v
-
-
-def add_work(work, mb, counted, model):
-    """Add what a micro-batch of the update ran to work: its model FLOPs, the tokens in its sequences (b, T), those
-    not padding, and the rows' own tokens (a prompt shared by rows counted for each); counted (b,) each row's
-    completion tokens up to its last counted one, which the output layer runs on."""
-    (b, T), n = mb['idx'].shape, int(counted.sum())
-    ran = dict(flops=update_flops(model, b, T, n / b), tokens=b * T, not_padding=mb['tokens'],
-               row_tokens=mb['row_tokens'])
-    for k, v in ran.items():
-        work[k] = work.get(k, 0) + v
-
-
-def update_stats(total, work, *, maxima, steps, distributed):
-    """The update's stats to log, over every rank (each must call it), as floats: total's (add_stats' over `steps`
-    optimizer steps), its sums divided by steps (each step's token mean, averaged over the steps) and those named
-    in maxima the largest; then work's (add_work's) FLOPs and tokens, the padding's share of those and the share
-    of the rows' own tokens that sharing a prompt saved. Numbers of the steps, the same whatever their layout."""
-    values = torch.stack(list(total.values()))
-    done = torch.tensor(list(work.values()), dtype=torch.float64)
-    largest = values
+def update_metrics(stats, shapes, *, model, maxima, steps, seconds, peak, world_size,
+                   distributed):
+    """The update's numbers for the log, computed once after it, over every rank (each must call
+    it). stats: grpo_loss's of every micro-batch, each its share of its step's token mean, summed
+    in float64 and averaged over the `steps` optimizer steps, those named in maxima the largest.
+    shapes: each micro-batch's (rows, T, completion tokens the output layer ran on, tokens not
+    padding, the rows' own tokens), for the model FLOPs, tokens/s, MFU, the padding's share and
+    the share of the rows' tokens that sharing a prompt saved. The same whatever the layout.
+    Returns (the speed: tokens/s and MFU, the stats and shares)."""
+    total = {}
+    for micro_batch in stats:
+        for k, v in micro_batch.items():
+            v = v.detach().double()
+            total[k] = v if k not in total else total[k].maximum(v) if k in maxima else total[k] + v
+    flops = sum(update_flops(model, b, T, n / b) for b, T, n, _, _ in shapes)
+    tokens = sum(b * T for b, T, *_ in shapes)
+    not_padding = sum(shape[3] for shape in shapes)
+    row_tokens = sum(shape[4] for shape in shapes)
+    values = largest = torch.stack(list(total.values()))
+    done = torch.tensor([flops, tokens, not_padding, row_tokens], dtype=torch.float64)
     if distributed:
         values, largest, done = all_sum(values), gather(values[None]).amax(0), all_sum(done)
-    stats = {k: (largest[i] if k in maxima else values[i] / steps).item() for i, k in enumerate(total)}
-    work = dict(zip(work, done.tolist()))
-    return dict(stats, flops=work['flops'], train_tokens=work['tokens'],
-                pad_share=1 - work['not_padding'] / work['tokens'],
-                saved_share=1 - work['not_padding'] / work['row_tokens'])
+    flops, tokens, not_padding, row_tokens = done.tolist()
+    means = {k: (largest[i] if k in maxima else values[i] / steps).item()
+             for i, k in enumerate(total)}
+    speed = dict(train_tok_s=tokens / seconds, mfu=mfu(flops, seconds, peak, world_size))
+    shares = dict(pad_share=1 - not_padding / tokens, saved_share=1 - not_padding / row_tokens)
+    return speed, dict(means, **shares)
 
 
 def resident_mb(model, optimizer, ref_model=None):

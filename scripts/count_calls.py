@@ -1,10 +1,11 @@
 """
 How much of the project one GRPO iteration runs (issue 48's measure of how plain the core reads): the files and
 named functions of this repository called from the first rollout() to the second, one process, single turn, plain=True
-by default. Comprehensions, generator expressions and lambdas are not counted.
+(the reading path), then the same on the default path (plain=False: packing, the chunked output layer). Comprehensions,
+generator expressions and lambdas are not counted.
 
-$ python -m scripts.count_calls                   # the default task, plain=True
-$ python -m scripts.count_calls --plain=False     # the fast path; any train.py flag may follow
+$ python -m scripts.count_calls                   # the default task, plain=True, then plain=False
+$ python -m scripts.count_calls --lora_rank=8     # any train.py flag may follow, for both counts
 """
 import os
 import runpy
@@ -17,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNNAMED = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")
 
 
-def main(flags):
+def count(flags):
+    """{file: the qualified names of its functions that one iteration called}."""
     seen, state = {}, dict(rollouts=0)
 
     def hook(frame, event, arg):
@@ -37,7 +39,7 @@ def main(flags):
 
     # a folder of its own, removed after: never another run's, nor a second count's
     out_dir = tempfile.mkdtemp(prefix="count_calls")
-    sys.argv = ["train.py", "--plain=True", "--max_iters=2", "--sft_iters=0", "--eval_interval=0",
+    sys.argv = ["train.py", "--max_iters=2", "--sft_iters=0", "--eval_interval=0",
                 "--save_interval=0", f"--out_dir={out_dir}", *flags]
     sys.path.insert(0, ROOT)
     os.chdir(ROOT)
@@ -51,10 +53,17 @@ def main(flags):
         sys.setprofile(None)
         threading.setprofile(None)
         shutil.rmtree(out_dir, ignore_errors=True)
-    functions = sum(len(names) for names in seen.values())
-    print(f"one iteration ran {functions} named functions in {len(seen)} files of the project:")
-    for path in sorted(seen):
-        print(f"  {path} ({len(seen[path])}): {', '.join(sorted(seen[path]))}")
+    return seen
+
+
+def main(flags):
+    for path_name, plain in (("the plain path", "--plain=True"), ("the default path", "--plain=False")):
+        seen = count([plain, *flags])
+        functions = sum(len(names) for names in seen.values())
+        print(f"{path_name}: one iteration ran {functions} named functions in {len(seen)} files of the "
+              f"project:")
+        for path in sorted(seen):
+            print(f"  {path} ({len(seen[path])}): {', '.join(sorted(seen[path]))}")
 
 
 if __name__ == "__main__":

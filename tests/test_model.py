@@ -23,6 +23,7 @@ from lib.head import HeadLogprobs
 from lib.measure import flops_per_token, update_flops
 from model import GPT, GPTConfig
 from sampling import generate as reference_generate, sample
+import sampling
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gpt2-a")
 PROMPTS = [[5, 17, 200], [1, 2, 3, 4, 5, 6, 7], [42], [250, 9, 9, 100, 31]]  # ragged on purpose
@@ -273,12 +274,12 @@ def test_generate_is_seeded_and_restores_mode(tiny):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert a[0].dtype == torch.long and a[1].dtype == torch.bool and a[2].dtype == torch.float32
 
-def test_generate_rejects_bad_prompts(tiny):
+def test_generate_s_check_rejects_bad_prompts(tiny):
     with pytest.raises(ValueError, match=r"prompt 1 \(120 tokens\) \+ max_new_tokens \(10\): 130 tokens, more "
                                          r"than block_size 128"):
-        tiny.generate([[1, 2], [3] * 120], 10)
+        sampling.check_generate(tiny, [[1, 2], [3] * 120], 10)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
-        tiny.generate([[]], 5)
+        sampling.check_generate(tiny, [[]], 5)
 
 # -----------------------------------------------------------------------------
 # the trainer's log-prob path against a brute-force log-softmax
