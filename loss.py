@@ -137,15 +137,6 @@ def _mean_std(x, valid):
     return mean, var.sqrt()
 
 
-def _token_share(x, valid, num_tokens):
-    """
-    x summed over the valid entries in float64 (x may be a bool mask), over num_tokens:
-    this micro-batch's share of the step's token mean, as its loss is its share of the
-    step's loss.
-    """
-    return torch.where(valid, x, 0).sum(dtype=torch.float64) / num_tokens
-
-
 def group_advantages(rewards, num_generations, scale_rewards="group", estimator="grpo"):
     """
     rewards: (B,) float, groups are contiguous blocks of num_generations rows; NaN marks
@@ -537,7 +528,8 @@ def loss_stats(valid, num_tokens, *, ratio, kl, clipped, sampler, entropy,
                off_policy, rho):
     """
     What grpo_loss logs of every micro-batch, detached: its shares of the step's token
-    means (_token_share) and its largest ratio; then, where they are on, the entropy,
+    means (x summed over the valid tokens in float64, x may be a bool mask, over
+    num_tokens, as its loss is its share of the step's loss) and its largest ratio; then, where they are on, the entropy,
     the share of tokens masked off-policy or weighed (rho) for the sampler, and the gap
     between the log-probs the sampler reported and the trainer's own
     (sampler: (gap, sampler_logps, old_logps); bf16 sampling, or the full softmax
@@ -545,7 +537,7 @@ def loss_stats(valid, num_tokens, *, ratio, kl, clipped, sampler, entropy,
     float64 (float32's rounding of exp(x) - x - 1 would swamp a gap of a few ulps) and
     the largest rho = pi_old / pi_sampler.
     """
-    share = lambda x: _token_share(x.expand_as(valid), valid, num_tokens)
+    share = lambda x: torch.where(valid, x, 0).sum(dtype=torch.float64) / num_tokens
     low, high = clipped
     stats = {
         "kl": share(kl), "clip_ratio/low": share(low), "clip_ratio/high": share(high),
