@@ -5,12 +5,15 @@ once (max_rows=0) and the one the plain sampler draws (no cache), whatever max_r
 order the groups end in: in float64, where a batch's composition cannot move a token.
 """
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import engine
+import rollout
 from configurator import ConfigError, check_config, configure
+from lib.tokenizer import get_tokenizer
 from model import GPT
 from test_config import DEFAULTS
 from test_multiturn import EOS, Scripted
@@ -143,6 +146,23 @@ def test_refill_with_decode_graphs():
     finally:
         model.decode_graphs = False
         engine._CACHES.pop(model, None)
+
+
+def test_the_rollout_samples_with_the_run_s_max_rows():
+    """train.py's max_rows reaches the sampler through rollout.sample: no step decodes more rows,
+    and the rollout is the one all rows at once give."""
+    model, enc = load("tiny-gpt2-a"), get_tokenizer("bytes")
+    rows = [{"prompt": f"{a}+{a * 7 % 10}="} for a in range(6)]
+    cfg = lambda max_rows: SimpleNamespace(
+        max_rows=max_rows, num_generations=G, max_completion_length=STEPS, temperature=1.0,
+        top_k=None, top_p=None, eos_ids=ends(model), lora_rank=0, autocast=False,
+        ptdtype=torch.float64, environment=None, tool_workers=1, plain=False, template=None)
+    level = rollout.sample(model, rows, range(6), cfg(0), enc)[1:4]
+    seen = rows_per_step(model)
+    refilled = rollout.sample(model, rows, range(6), cfg(2 * G), enc)[1:4]
+    assert max(seen) == 2 * G
+    for a, b in zip(refilled, level):
+        assert torch.equal(a, b)
 
 
 def test_max_rows_below_a_group_is_refused():
