@@ -11,9 +11,10 @@ memory to the update. With model.decode_graphs (train.py's cuda_graphs) the step
 CUDA graphs instead (lib/cuda_graphs.py), and the cache is kept across calls, grown to the largest
 batch and sequence seen, since a graph reads the addresses it was captured with.
 
-With max_rows (refill), at most that many rows decode at once: a prompt is seated when G rows are
-free, and its group leaves when its G rows have ended (refill yields the groups as they leave). A
-row's draws are indexed by its prompt, sample and step, so it samples what it would in one batch.
+With max_rows (refill), at most that many rows decode at once: a row's slot frees when the row
+ends, a prompt is seated when G slots are free, and its group leaves when its G rows have ended
+(refill yields the groups as they leave). Rows are then not level. A row's draws are indexed by
+its prompt, sample and step, so it samples what it would in one batch.
 """
 import collections
 import contextlib
@@ -342,7 +343,7 @@ def prefill(model, prompts, batch, *, rows, prompt_width):
         padding, first = prompt_width - len(prompt), at[0]
         batch.key_mask[at] = torch.arange(columns, device=device) >= padding
         # Rows side by side are one view of the cache, which takes the keys and values at once;
-        # scattered ones (refill) are copied the first row's.
+        # scattered ones (refill) get copies of the first row's.
         side_by_side = at == list(range(first, first + len(at)))
         view = slice(first, first + len(at) if side_by_side else first + 1)
         h = model.hidden(torch.tensor(prompt, device=device)[None], col=padding,
@@ -369,7 +370,8 @@ def end_rows(model, batch, out, eos, turns, prompt_width, steps):
         batch.furthest = max(batch.furthest, ahead)
     elif eos is not None:
         batch.done = batch.done | torch.isin(batch.tok, eos)
-    # a row that read an observation, or was seated late (refill), reaches it before the others
+    # a row that read an observation, or was seated late (refill), reaches the last step before
+    # the others
     batch.done = batch.done | (batch.newest == steps - 1)
 
 
