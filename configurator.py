@@ -149,6 +149,9 @@ def check_config(c, world_size, distributed=False):
          "parallel='fsdp' shards over torchrun's processes: launch with "
          "torchrun (--nproc_per_node=1 for one GPU), or use parallel='ddp'")
     G, P = c['num_generations'], c['prompts_per_step']
+    _need(c['max_rows'] == 0 or c['max_rows'] >= G,
+         f"max_rows={c['max_rows']} must be 0 (all rows at once) or >= num_generations={G}: "
+         f"a prompt's {G} rows are seated together")
     _need(P % world_size == 0, f"prompts_per_step={P} is not divisible by the {world_size} ranks; "
                               f"make it a multiple of {world_size}")
     rows = P // world_size * G  # completions each rank holds per rollout

@@ -342,17 +342,19 @@ class GPT(nn.Module):
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else dtype
 
     def generate(self, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None,
-                 top_p=None, eos_id=None, generator=None, turns=None, turn_workers=1, plain=False):
+                 top_p=None, eos_id=None, generator=None, turns=None, turn_workers=1, plain=False,
+                 max_rows=0):
         """Sample num_samples completions of each prompt (a list of token-id lists): (tokens, mask,
         logprobs), each (N, L), N = len(prompts) * num_samples rows (prompt-major), L <=
         max_new_tokens. A row ends at, and keeps, its first eos_id (an id or several); logprobs:
         each token's under the distribution it was drawn from, as logprobs() computes them;
         temperature=0: greedy. turns: multi-turn observations. plain=True (one turn):
         sampling.generate, rereading all rows each step, else engine.py's KV-cache loop; the same
-        draws. A method so that FSDP makes it a root entry (parallelism.shard): a first call, before
-        any forward, sets up the sharded model. The arguments are not checked here, on every
-        call: sampling.check_generate checks them, once (a run checks its own at start: the
-        prompts' lengths in data.py, the sampling settings in configurator.py)."""
+        draws. max_rows: the KV-cache loop decodes at most that many rows at once (0: all). A
+        method so that FSDP makes it a root entry (parallelism.shard): a first call, before any
+        forward, sets up the sharded model. The arguments are not checked here, on every call:
+        sampling.check_generate checks them, once (a run checks its own at start: the prompts'
+        lengths in data.py, the sampling settings in configurator.py)."""
         was_training = self.training
         self.eval()  # no dropout while sampling
         try:
@@ -361,7 +363,7 @@ class GPT(nn.Module):
             if plain and turns is None:
                 return sampling.generate(self, prompts, max_new_tokens, **args)
             return engine.generate(self, prompts, max_new_tokens, turns=turns,
-                                   turn_workers=turn_workers, **args)
+                                   turn_workers=turn_workers, max_rows=max_rows, **args)
         finally:
             self.train(was_training)
 

@@ -105,7 +105,7 @@ def sample(model, rows, seeds, cfg, enc, temperature=None, num_samples=None):
         tokens, mask, logps = model.generate(
             prompts, C, num_samples=G, temperature=temperature, top_k=cfg.top_k, top_p=cfg.top_p,
             eos_id=ends, generator=generators, turns=turns, turn_workers=cfg.tool_workers,
-            plain=cfg.plain)
+            plain=cfg.plain, max_rows=cfg.max_rows)
     pad = C - tokens.shape[1]  # generate stops early when every row is done; the loss wants width C
     tokens = torch.nn.functional.pad(tokens, (0, pad), value=cfg.eos_ids[0])
     mask = torch.nn.functional.pad(mask, (0, pad), value=False)

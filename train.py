@@ -72,6 +72,7 @@ prompts_per_step, num_generations = 32, 8  # prompts per iteration over all rank
 max_completion_length = 8
 temperature = 1.0  # the sampler's; the loss's log-probs use it too, so the ratio is of one policy
 top_k, top_p = None, None  # sample from the top_k likeliest tokens, then the fewest holding top_p
+max_rows = 0  # the sampler decodes at most this many rows, a group seated as one leaves; 0 = all
 truncate_logprobs = True  # top_k/top_p: train on q, what sampled; False: on the full softmax
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling, max_resample_rounds = False, 4  # DAPO: resample groups that all got one reward

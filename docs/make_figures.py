@@ -101,7 +101,8 @@ def real_rollout(run, **overrides):
     last, under the run's config (saved in its checkpoint) changed by overrides. The reference model, when beta > 0,
     is the run's warm start: the policy RL started from. Returns (batch, info, policy, cfg)."""
     state = checkpoint.load_state(run)
-    config = {'plain': False, 'truncate_logprobs': True, **state['config'], **overrides}  # older runs lack them
+    # the keys older runs lack, at their defaults
+    config = {'plain': False, 'truncate_logprobs': True, 'max_rows': 0, **state['config'], **overrides}
     enc = get_tokenizer(config['tokenizer'])
     template = load_template(config['chat_template'], config['tokenizer'], config.get('chat_date'))
     cfg = SimpleNamespace(**config, world_size=1, autocast=False, ptdtype=torch.float32, on_policy=True,

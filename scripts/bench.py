@@ -11,6 +11,7 @@ $ OMP_NUM_THREADS=2 python -m scripts.bench --preset qwen2.5-0.5b --n_layer 4 --
 $ python -m scripts.bench --preset qwen3-0.6b --n_layer 4       # or --preset llama-3.2-1b
 $ python -m scripts.bench --soak                           # 200 iterations of train.py: does its memory stay flat?
 $ python -m scripts.bench --only truncation --top_p 0.95   # or --top_k 50 --top_p 0.95
+$ OMP_NUM_THREADS=1 python -m scripts.bench --only refill --prompts 16 --G 4 --new_tokens 256 --dtype bfloat16
 
 Sections: the machine's matmul peak (every MFU is against it), sampling (KV cache vs naive full recompute, and a
 batch where half the rows end early), the log-prob pass (chunked, also with each token's entropy, vs a plain full
@@ -19,7 +20,8 @@ and plain), whole GRPO iterations of train.py itself, phase by phase, building a
 tokenizer and encoding prompts (also rendered by a chat template), what each rank holds under DDP,
 FSDP and LoRA (scale), each rank's memory while train.py starts from a checkpoint (start), and
 top-k/top-p's cost when the trainer takes log q, with how often its kept set differs from the
-sampler's (truncation).
+sampler's (truncation), and the sampler refilling at most --max_rows rows against all at once, on
+SmolLM2-135M's long-tailed completions (refill).
 """
 import json
 import sys
@@ -30,10 +32,11 @@ from scripts.benchmarks.common import SECTIONS as NAMES, build_model, get_args
 from scripts.benchmarks.kernels import (bench_logprobs, bench_matmul_peak, bench_reward_model, bench_sampling,
                                        bench_train_step)
 from scripts.benchmarks.runs import bench_iteration, bench_multiturn, bench_scale, bench_start, bench_tokenizer, soak
+from scripts.benchmarks.refill import bench_refill
 from scripts.benchmarks.truncation import bench_truncation
 
 SECTIONS = [bench_matmul_peak, bench_sampling, bench_logprobs, bench_train_step, bench_reward_model, bench_iteration,
-            bench_multiturn, bench_tokenizer, bench_scale, bench_start, bench_truncation]
+            bench_multiturn, bench_tokenizer, bench_scale, bench_start, bench_truncation, bench_refill]
 assert [s.__name__[6:] for s in SECTIONS[1:]] == list(NAMES)  # the names --only takes
 
 

@@ -22,7 +22,7 @@ from model import GPT, GPTConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: train.py
 # after the peak, which always runs
 SECTIONS = ("sampling", "logprobs", "train_step", "reward_model", "iteration", "multiturn", "tokenizer", "scale",
-            "start", "truncation")
+            "start", "truncation", "refill")
 
 DEFAULT = dict(n_layer=6, n_head=6, n_embd=384, vocab_size=50304)  # a 30M GPT-2: the shape without --preset
 # the GPTConfig fields of real models (their config.json); the Llama family has no biases but Qwen2's q/k/v ones
@@ -64,6 +64,8 @@ def get_args(argv=None, description=None):
     p.add_argument("--micro_batch_size", type=int, default=16, help="rows per forward/backward of a training step")
     p.add_argument("--top_k", type=int, help="the truncation section's top_k (default: none)")
     p.add_argument("--top_p", type=float, default=0.95, help="the truncation section's top_p")
+    p.add_argument("--max_rows", help="the refill section's max_rows, comma-separated (default: a "
+                                      "quarter and a half of --prompts x --G)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype; default bfloat16 on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile the forward and the decode step")
