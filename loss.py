@@ -529,8 +529,9 @@ def loss_stats(valid, num_tokens, *, ratio, kl, clipped, sampler, entropy,
     """
     What grpo_loss logs of every micro-batch, detached: its shares of the step's token
     means (x summed over the valid tokens in float64, x may be a bool mask, over
-    num_tokens, as its loss is its share of the step's loss) and its largest ratio; then, where they are on, the entropy,
-    the share of tokens masked off-policy or weighed (rho) for the sampler, and the gap
+    num_tokens, as its loss is its share of the step's loss) and its largest ratio; then,
+    where they are on, the entropy, the share of tokens masked off-policy or weighed
+    (rho) for the sampler, and the gap
     between the log-probs the sampler reported and the trainer's own
     (sampler: (gap, sampler_logps, old_logps); bf16 sampling, or the full softmax
     trained on top-k/top-p samples): their mean distance, k3's KL(sampler || trainer) in

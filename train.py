@@ -333,7 +333,8 @@ for it in range(iter_start, max_iters + 1):
                     sampler_logps=sampler, entropy=entropy, entropy_mask=mb.get('entropy_mask'))
                 (loss * world_size).backward()  # DDP and FSDP average over ranks: the loss is a sum
                 stats.append(mb_stats)
-                shapes.append((*mb['idx'].shape, int(counted.sum()), mb['tokens'], mb['row_tokens']))
+                shapes.append((*mb['idx'].shape, int(counted.sum()), mb['tokens'],
+                               mb['row_tokens']))
             norm = clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
             if distributed:  # the ranks share one gradient, but a NaN on one must stop them all
                 norm, finite = parallelism.all_finite(norm)
@@ -360,7 +361,7 @@ for it in range(iter_start, max_iters + 1):
              mem_mb=max(mem_rollout, memory_mb(device)),
              **resident_mb(raw_model, optimizer, ref_model), **update, grad_norm=grad_norm,
              lr=get_lr(max(step - 1, 0)), bad_steps=bad,
-             **{f'time/{k}': v for k, v in info['time'].items()})
+             **{f'time/{k}': v for k, v in dict(info['time'], update=t2 - t1).items()})
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)  # evals included
     if master:
         line = iteration_line(m, max_iters=max_iters, eta=eta, reward_fns=reward_fns)

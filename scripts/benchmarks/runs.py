@@ -21,7 +21,7 @@ from lib.tokenizer import _hf_bpe, bytes_to_unicode, get_tokenizer, load_hf_toke
 from scripts.benchmarks.common import ROOT, autocast, build_model, grpo_batch, make_prompts, run_train
 
 
-PHASES = ("generate", "reward", "logprobs", "backward", "optimizer", "comm")  # train.py's time/ metrics
+PHASES = ("generate", "reward", "logprobs", "update")  # train.py's time/ metrics
 
 def end_geometrically(model, eos, mean):
     """Edit a random GPT-2 so that every position gives eos about the same logit, log(V / (mean - 1)): each decode
