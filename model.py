@@ -351,10 +351,8 @@ class GPT(nn.Module):
         temperature=0: greedy. turns: multi-turn observations. plain=True (one turn):
         sampling.generate, rereading all rows each step, else engine.py's KV-cache loop; the same
         draws. max_rows: the KV-cache loop decodes at most that many rows at once (0: all). A
-        method so that FSDP makes it a root entry (parallelism.shard): a first call, before any
-        forward, sets up the sharded model. The arguments are not checked here, on every call:
-        sampling.check_generate checks them, once (a run checks its own at start: the prompts'
-        lengths in data.py, the sampling settings in configurator.py)."""
+        method so that FSDP makes it a root entry (parallelism.shard). Unchecked here: a caller
+        runs sampling.check_generate once (a run checks at start: data.py, configurator.py)."""
         was_training = self.training
         self.eval()  # no dropout while sampling
         try:
