@@ -19,13 +19,14 @@ import inspect
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
 import loss
 from rollout import score
 from sampling import check_sampling
-from lib import checkpoint
+from lib import chat, checkpoint, multiturn
 from lib.errors import ConfigError, unknown
 from lib.tokenizer import eos_ids, get_tokenizer
 
@@ -424,3 +425,31 @@ def check_device(device):
         raise ConfigError(
             f"device='{device}' is not on this machine{why}; it has "
             f"{', '.join(here)}: use one of those or device='auto'")
+
+
+def run_config(config, *, enc, template, world_size):
+    """The run's one namespace, built once at the start and never changed after: its settings
+    (config: train.py's globals, each settled, device the one it runs on: what config.json holds)
+    and what they derive, each named here. rollout.py, sft.py and evaluate.py read it as cfg."""
+    c = SimpleNamespace(**config)
+    autocast = c.dtype in ('bfloat16', 'float16')
+    on_policy = c.num_iterations == 1 and c.steps_per_generation == 1
+    full_softmax = (c.top_k, c.top_p) != (None, None) and not c.truncate_logprobs
+    environment = (multiturn.environment(c.env, c.sandbox, template, c.chat_template_kwargs)
+                   if c.env else None)
+    return SimpleNamespace(
+        **config, world_size=world_size, template=template,
+        environment=environment, autocast=autocast, ptdtype=getattr(torch, c.dtype),
+        on_policy=on_policy,
+        # the ids that end a completion, the turn's end first
+        eos_ids=chat.stop_ids(enc, template, c.tokenizer, c.stop_tokens),
+        # model.logprobs' truncation: the sampler's (log q, of the distribution that sampled)
+        # unless truncate_logprobs=False asks for the full softmax's
+        logp_top_k=c.top_k if c.truncate_logprobs else None,
+        logp_top_p=c.top_p if c.truncate_logprobs else None,
+        # The sampler's log-probs serve as the old ones but where they are not the trainer's:
+        # low-precision sampling differs enough from the training forward to redo them, as a
+        # trainer on the full softmax does, whose KL in the reward needs its own too. On-policy
+        # the loss takes the training forward's own (logp.detach()) and needs no pass.
+        redo_old_logps=(autocast or full_softmax) and not on_policy
+        or full_softmax and c.kl_in_reward)

@@ -19,9 +19,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import engine
-import sampling
-from sampling import sample
+from sampling import draw_uniforms, eos_tensor, sample
 from lib import gguf_file, head, hf, packing
+from lib.parallelism import asked
 from lib.truncation import truncate_
 
 class RMSNorm(nn.Module):
@@ -341,27 +341,60 @@ class GPT(nn.Module):
         dev, dtype = self.lm_head.weight.device.type, self.lm_head.weight.dtype
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else dtype
 
+    @torch.no_grad()
     def generate(self, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None,
                  top_p=None, eos_id=None, generator=None, turns=None, turn_workers=1, plain=False,
                  max_rows=0):
-        """Sample num_samples completions of each prompt (a list of token-id lists): (tokens, mask,
+        """
+        Sample num_samples completions of each prompt (a list of token-id lists): (tokens, mask,
         logprobs), each (N, L), N = len(prompts) * num_samples rows (prompt-major), L <=
         max_new_tokens. A row ends at, and keeps, its first eos_id (an id or several); logprobs:
         each token's under the distribution it was drawn from, as logprobs() computes them;
-        temperature=0: greedy. turns: multi-turn observations. plain=True (one turn):
-        sampling.generate, rereading all rows each step, else engine.py's KV-cache loop; the same
-        draws. max_rows: the KV-cache loop decodes at most that many rows at once (0: all). A
-        method so that FSDP makes it a root entry (parallelism.shard). Unchecked here: a caller
-        runs sampling.check_generate once (a run checks at start: data.py, configurator.py)."""
+        temperature=0: greedy; turns: multi-turn observations. plain=True (one turn) is the loop
+        below, which engine.py's KV-cache loop (max_rows: at most that many rows decoded at once,
+        0: all) is tested against: the same uniforms from the same generator, the same sample(),
+        so the tokens are bitwise comparable. A method so that FSDP makes it a root entry
+        (parallelism.shard). Unchecked here: a caller runs sampling.check_generate once.
+        """
         was_training = self.training
         self.eval()  # no dropout while sampling
         try:
-            args = dict(num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,
-                        eos_id=eos_id, generator=generator)
-            if plain and turns is None:
-                return sampling.generate(self, prompts, max_new_tokens, **args)
-            return engine.generate(self, prompts, max_new_tokens, turns=turns,
-                                   turn_workers=turn_workers, max_rows=max_rows, **args)
+            if not plain or turns is not None:
+                return engine.generate(self, prompts, max_new_tokens, num_samples=num_samples,
+                                       temperature=temperature, top_k=top_k, top_p=top_p,
+                                       eos_id=eos_id, generator=generator, turns=turns,
+                                       turn_workers=turn_workers, max_rows=max_rows)
+            # The plain sampler: no cache, each step reads every row whole again (right-padded:
+            # causal attention never looks at the padding) and samples at its newest token.
+            device = self.lm_head.weight.device
+            uniforms = draw_uniforms(generator, max_new_tokens, len(prompts), num_samples, device)
+            rows = [p for p in prompts for _ in range(num_samples)]  # prompt-major
+            eos = eos_tensor(eos_id, device)
+            # what a row holds after its end
+            fill = 0 if eos is None else int(eos[0])
+            idx = torch.full((len(rows), max(map(len, rows)) + max_new_tokens), fill,
+                             device=device)
+            for i, row in enumerate(rows):
+                idx[i, :len(row)] = torch.tensor(row)
+            newest = torch.tensor([len(row) - 1 for row in rows], device=device)  # (N,)
+            every_row = torch.arange(len(rows), device=device)
+            done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+            tokens, mask, logps = [], [], []
+            for step in range(max_new_tokens):
+                h = self.hidden(idx[:, :int(newest.max()) + 1])  # (N, T, C)
+                logits = self.lm_head(h[every_row, newest])  # (N, vocab_size)
+                tok, logp = sample(logits, temperature, top_k, top_p, uniforms[step])
+                tokens.append(tok.masked_fill(done, fill))
+                logps.append(logp.masked_fill(done, 0.0))
+                mask.append(~done)
+                newest = newest + 1
+                idx[every_row, newest] = tokens[-1]
+                if eos is not None:  # a row keeps its eos, and ends there
+                    done = done | torch.isin(tok, eos)
+                # a stop signal: the run drops what this call samples, so it ends here
+                if done.all() or asked['signal']:
+                    break
+            return torch.stack(tokens, 1), torch.stack(mask, 1), torch.stack(logps, 1)
         finally:
             self.train(was_training)
 

@@ -149,19 +149,20 @@ def is_flat(rewards, G):
     return grouped.amax(1) == grouped.amin(1)
 
 
-def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
+def rollout(model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
     """
-    Rollouts of this rank's prompts of iteration `it` (step_rows; dynamic sampling adds extra_rows).
-    Returns (batch, info): batch as in the module docstring (on the model's device), info with the
-    rewards, each reward function's values ('scores' (B, functions), NaN where one does not apply),
-    lengths, counts and the seconds of each phase, for logging.
+    Sample and score this rank's groups of iteration `it` (step_rows; dynamic sampling adds
+    extra_rows until enough of them teach something). A group is one prompt and its G completions:
+    a dict of the prompt's ids and its rows' tokens, mask, the sampler's log-probs, rewards,
+    truncated flags and each reward function's scores ('scores' (G, functions), NaN where one does
+    not apply). Returns (groups, info): info holds the dropped groups and each phase's seconds.
     """
     G = cfg.num_generations
-    device = next(model.parameters()).device
     rows, kept, dropped, rounds = step_rows(train_rows, it, rank, cfg), [], 0, 0
     # each phase's seconds, as nanoGPT takes dt: the clock read after it
     times, since = dict(generate=0.0, reward=0.0), time.perf_counter()
-    while True:  # once, or with dynamic sampling until the batch holds enough informative groups
+    # once, or with dynamic sampling until the batch holds enough informative groups
+    while True:
         seeds = [prompt_seed(cfg.seed, it, r['_id']) for r in rows]
         prompts, tokens, mask, logps, record = sample(model, rows, seeds, cfg, enc)
         times['generate'] += time.perf_counter() - since
@@ -172,137 +173,145 @@ def rollout(model, ref_model, train_rows, it, rank, cfg, enc, reward_fns, reward
         since = time.perf_counter()
         scores = torch.tensor([[float('nan') if v is None else v for v in per_fn[f.__name__]]
                                for f in reward_fns], dtype=torch.float64).T
-        per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards, truncated=truncated,
-                       scores=scores, **(multiturn.counts(record) if record else {}))
-        # A group is one prompt and its G completions: it is kept or dropped whole.
+        per_row = dict(tokens=tokens, mask=mask, logps=logps, rewards=rewards,
+                       truncated=truncated, scores=scores,
+                       **(multiturn.counts(record) if record else {}))
         groups = [dict(prompt=prompts[g], **{k: v[g * G:(g + 1) * G] for k, v in per_row.items()})
                   for g in range(len(rows))]
         if not cfg.dynamic_sampling:
-            kept = groups
-            break
-        # DAPO dynamic sampling: a group of equal rewards has zero advantage, so it teaches nothing.
+            return groups, dict(time=times, dropped_groups=0)
+        # DAPO dynamic sampling: a group of equal rewards has zero advantage: it teaches nothing
         flat = is_flat(rewards, G).tolist()
         dropped += sum(flat)
         kept += [group for group, group_flat in zip(groups, flat) if not group_flat]
         want = cfg.prompts_per_step // cfg.world_size
         if len(kept) >= want or rounds == cfg.max_resample_rounds:
             # Out of rounds, flat groups (advantage 0) fill up, so every rank keeps as many rows.
-            kept = (kept + [group for group, group_flat in zip(groups, flat) if group_flat])[:want]
-            break
+            kept += [group for group, group_flat in zip(groups, flat) if group_flat]
+            return kept[:want], dict(time=times, dropped_groups=dropped)
         rounds += 1
         rows = extra_rows(train_rows, want - len(kept), it, rank, rounds, cfg)
-    cat = lambda key: torch.cat([group[key] for group in kept])
-    tokens, mask, sampler_logps = cat('tokens'), cat('mask'), cat('logps')
-    rewards, truncated, scores = cat('rewards'), cat('truncated'), cat('scores')
-    lengths = mask.sum(1)  # completion lengths before any loss masking, for logging
 
-    row_prompts = [group['prompt'] for group in kept for _ in range(G)]
-    idx, start = pack(row_prompts, tokens.tolist(), cfg.eos_ids[0])
+
+def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights):
+    """
+    The batch the loss needs (the module docstring) from rollout's groups, on the model's device:
+    packed, the old log-probs redone where the sampler's are not the trainer's (cfg.redo_old_logps),
+    the reference's, and advantages over every rank's groups. Adds to info, for the log, every
+    rank's rewards, scores, completion lengths and truncated flags (and a multi-turn run's tool
+    calls and errors), and the seconds of this phase.
+    """
+    G, device, since = cfg.num_generations, next(model.parameters()).device, time.perf_counter()
+    cat = lambda key: torch.cat([group[key] for group in groups])
+    mask, rewards, truncated = cat('mask'), cat('rewards'), cat('truncated')
+    row_prompts = [group['prompt'] for group in groups for _ in range(G)]
+    idx, start = pack(row_prompts, cat('tokens').tolist(), cfg.eos_ids[0])
     batch = dict(idx=idx.to(device), start=start.to(device), mask=mask.to(device),
-                 sampler_logps=sampler_logps.to(device))
+                 sampler_logps=cat('logps').to(device))
+    # Generate's log-probs are of the distribution it drew from (log q with top-k/top-p), the
+    # trainer's own but where cfg.redo_old_logps says (configurator.run_config: why). The
+    # sampler's stay in the batch for the off-policy mask and sampler_correction, and the loss
+    # logs the gap.
     batch['old_logps'] = batch['sampler_logps']
-    full_softmax = (cfg.top_k, cfg.top_p) != (None, None) and not cfg.truncate_logprobs
-    if (cfg.autocast or full_softmax) and not cfg.on_policy or full_softmax and cfg.kl_in_reward:
-        # Generate's log-probs are of the distribution it drew from (log q with top-k/top-p), the
-        # trainer's own. Only low-precision sampling differs enough from the training forward to
-        # redo them, or a trainer that takes the full softmax (truncate_logprobs=False), whose KL
-        # in the reward needs its own too. On-policy the loss takes the training forward's own
-        # (logp.detach()) and needs no pass here. The sampler's stay in the batch for the
-        # off-policy mask and sampler_correction, and the loss logs the gap.
+    if cfg.redo_old_logps:
         batch['old_logps'] = logprobs(model, batch, cfg)
-    if ref_model is not None:  # with LoRA the reference is the policy, its adapters switched off
+    # with LoRA the reference is the policy, its adapters switched off
+    if ref_model is not None:
         with adapters_off(model) if ref_model is model else nullcontext():
             batch['ref_logps'] = logprobs(ref_model, batch, cfg)
     if cfg.mask_truncated_completions:
         # DAPO overlong filtering: a cut-off answer is neither right nor wrong.
         batch['mask'] = batch['mask'] & ~truncated.to(device)[:, None]
-
-    times['logprobs'] = time.perf_counter() - since
-
-    # Advantages over all ranks' groups, so that 'batch' std scaling is the same on any layout.
     shaped = rewards.clone()
-    if cfg.kl_in_reward:  # PPO-style: the KL penalty is part of the reward, before the comparison
+    # PPO-style: the KL penalty is part of the reward, before the comparison
+    if cfg.kl_in_reward:
         kl = kl_divergence(batch['old_logps'], batch['ref_logps'], cfg.kl_estimator)  # (B, C)
         shaped -= cfg.beta * (kl * batch['mask']).sum(1).double().cpu()
-    if cfg.multi_objective_aggregation == 'normalize_then_sum':  # GDPO: each function on its own
-        advantages = decoupled_advantages(all_ranks(scores, cfg), reward_weights, G)
+    # Every rank's rows, this one's among them in rank order, in one gather: the advantages
+    # compare groups across ranks (so 'batch' std scaling is the same on any layout), and the
+    # log counts every row.
+    columns = dict(shaped=shaped, rewards=rewards, lengths=mask.sum(1), truncated=truncated,
+                   **{k: cat(k) for k in ('calls', 'errors') if k in groups[0]})
+    mine = torch.cat([torch.stack([v.double() for v in columns.values()], 1), cat('scores')], 1)
+    everyone = gather(mine.to(cfg.device)).cpu() if cfg.world_size > 1 else mine
+    info.update(zip(columns, everyone.T.contiguous()),
+                scores=everyone[:, len(columns):].contiguous())
+    # GDPO: each function on its own
+    if cfg.multi_objective_aggregation == 'normalize_then_sum':
+        advantages = decoupled_advantages(info['scores'], reward_weights, G)
     else:
-        advantages = group_advantages(all_ranks(shaped, cfg), G, cfg.scale_rewards,
+        advantages = group_advantages(info['shaped'], G, cfg.scale_rewards,
                                       cfg.advantage_estimator)
     B = len(shaped)
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
-    episode_counts = {k: cat(k) for k in ('calls', 'errors')} if 'calls' in kept[0] else {}
-    info = dict(time=times, rewards=rewards, scores=scores, lengths=lengths, truncated=truncated,
-                dropped_groups=dropped, **episode_counts)
-    return batch, info
-
-
-def all_ranks(x, cfg):
-    """x, this rank's rows, and every other rank's after them, in rank order (on the CPU): x itself
-    on one process."""
-    return gather(x.to(cfg.device)).cpu() if cfg.world_size > 1 else x.cpu()
+    info['time']['logprobs'] = time.perf_counter() - since
+    return batch
 
 
 def rollout_metrics(info, cfg, reward_fns, accuracy):
     """
-    What the log says of a rollout, over all ranks: the rewards (mean, std, each function's mean
-    and spread within a group), the accuracy (the share that `accuracy`, one of reward_fns, scores
-    >= 1), the share of flat groups, completion lengths (also of right and of wrong answers, and
-    their correlation with the reward: a length bias), the truncated share and the sampler's
-    tokens/s.
+    What the log says of a rollout, over all ranks (make_batch's info): the rewards (mean, std,
+    each function's mean and spread within a group), the accuracy (the share that `accuracy`, one
+    of reward_fns, scores >= 1), the share of flat groups, completion lengths (also of right and
+    of wrong answers, and their correlation with the reward: a length bias), the truncated share
+    and the sampler's tokens/s.
     """
     G = cfg.num_generations
-    rewards, scores, lengths, truncated = (all_ranks(info[k].double(), cfg)
-                                           for k in ('rewards', 'scores', 'lengths', 'truncated'))
+    rewards, scores, lengths = info['rewards'], info['scores'], info['lengths']
     correct = scores[:, reward_fns.index(accuracy)].nan_to_num() >= 1
     metrics = dict(reward=rewards.nanmean().item(), reward_std=rewards.std().item(),
                    acc=correct.double().mean().item(),
                    flat_groups=is_flat(rewards, G).double().mean().item(),
                    len_mean=lengths.mean().item(), len_max=lengths.max().item(),
-                   truncated=truncated.mean().item(), dropped_groups=info['dropped_groups'],
+                   truncated=info['truncated'].mean().item(),
+                   dropped_groups=info['dropped_groups'],
                    rollout_tok_s=lengths.sum().item() / info['time']['generate'])
     metrics.update({f'reward/{f.__name__}': scores[:, j].nanmean().item()
                     for j, f in enumerate(reward_fns)})
     # What a reward is prone to: its spread within a group (GRPO's signal) and a length bias.
-    spread = scores.view(-1, G, scores.shape[1]).std(1).nanmean(0)  # (functions,) where it applies
-    metrics.update({f'reward_spread/{f.__name__}': s  # s == s leaves out NaN
+    # (functions,) where it applies
+    spread = scores.view(-1, G, scores.shape[1]).std(1).nanmean(0)
+    # s == s leaves out NaN
+    metrics.update({f'reward_spread/{f.__name__}': s
                     for f, s in zip(reward_fns, spread.tolist()) if s == s})
     finite = rewards.isfinite()
     corr = (torch.corrcoef(torch.stack((lengths[finite], rewards[finite])))[0, 1].item()
             if finite.sum() > 1 else float('nan'))
-    if corr == corr:  # absent where either does not vary
+    # absent where either does not vary
+    if corr == corr:
         metrics['len_reward_corr'] = corr
-    for key, rows in (('len_correct', correct), ('len_wrong', ~correct)):  # absent when none
-        if rows.any():
-            metrics[key] = lengths[rows].mean().item()
-    if 'calls' in info:  # a multi-turn run's episodes
-        metrics.update(multiturn.metrics(info, lambda x: all_ranks(x, cfg)))
+    # absent when none
+    for key, which in (('len_correct', correct), ('len_wrong', ~correct)):
+        if which.any():
+            metrics[key] = lengths[which].mean().item()
+    # a multi-turn run's episodes
+    if 'calls' in info:
+        metrics.update(multiturn.metrics(info))
     return metrics
 
 
-def truncation(cfg):
-    """model.logprobs' top_k and top_p, kept in cfg.truncation: the sampler's (log q, of the
-    distribution that sampled) unless truncate_logprobs=False asks for the full softmax's."""
-    return dict(top_k=cfg.top_k, top_p=cfg.top_p) if cfg.truncate_logprobs else {}
-
-
 def micro_batches(batch, size, plain=False):
-    """Yield (rows, micro-batch): the step's rows in ceil(B / size) micro-batches, each row in
-    exactly one, with the batch's tensors for those rows (`rows`, indices into batch), the (B, C)
+    """Yield (index, micro-batch): the step's rows in ceil(B / size) micro-batches, each row in
+    exactly one, with the batch's tensors for those rows (index: their rows in batch), the (B, C)
     ones cut to their longest completion that counts. The plain way is below: `size` consecutive
     rows, each its own sequence, idx (b, T) right-padded to the longest, start (b,) each prompt's
     length. Unless plain, lib/packing.py lays the rows into fewer, fuller sequences instead (pos
     then gives each token's position in its row): the same log-probs, less work."""
-    need = last_counted(batch['mask'])  # (B,) completion tokens up to the last that counts
+    # (B,) completion tokens up to the last that counts
+    need = last_counted(batch['mask'])
     if not plain:
         yield from packing.micro_batches(batch, size, need)
         return
-    for rows in torch.arange(len(need), device=need.device).split(size):
-        L = max(int(need[rows].max()), 1)
-        mb = {k: v[rows, :L] if v.dim() == 2 else v[rows] for k, v in batch.items() if k != 'idx'}
-        T = int(mb['start'].max()) + L  # the longest prompt + completion of the micro-batch
-        tokens = int((mb['start'] + need[rows]).sum())  # each row's own, as it has its own sequence
-        yield rows, dict(mb, idx=batch['idx'][rows, :T], pos=None, tokens=tokens, row_tokens=tokens)
+    for index in torch.arange(len(need), device=need.device).split(size):
+        L = max(int(need[index].max()), 1)
+        mb = {k: v[index, :L] if v.dim() == 2 else v[index]
+              for k, v in batch.items() if k != 'idx'}
+        # the longest prompt + completion of the micro-batch
+        T = int(mb['start'].max()) + L
+        # each row's own, as it has its own sequence
+        tokens = int((mb['start'] + need[index]).sum())
+        yield index, dict(mb, idx=batch['idx'][index, :T], pos=None, tokens=tokens,
+                          row_tokens=tokens)
 
 
 @torch.inference_mode()
@@ -311,16 +320,18 @@ def logprobs(model, batch, cfg, entropy=False):
     temperature, a micro-batch at a time; with entropy=True also each position's entropy (B, C).
     Only the positions the mask counts mean anything."""
     dtype = torch.float64 if cfg.dtype == 'float64' else torch.float32
+    # (1 or 2, B, C)
     out = torch.zeros((1 + entropy, *batch['mask'].shape), device=batch['mask'].device,
-                      dtype=dtype)  # (1 or 2, B, C)
-    for rows, mb in micro_batches(batch, cfg.micro_batch_size, cfg.plain):
+                      dtype=dtype)
+    for index, mb in micro_batches(batch, cfg.micro_batch_size, cfg.plain):
         with torch.autocast(batch['idx'].device.type, dtype=cfg.ptdtype, enabled=cfg.autocast):
+            # (b, L), 0 past the last that counts
             got = model.logprobs(mb['idx'], mb['start'], mb['mask'].shape[1],
                                  temperature=cfg.temperature, entropy=entropy,
-                                 lengths=last_counted(mb['mask']), pos=mb['pos'], plain=cfg.plain,
-                                 **cfg.truncation)  # (b, L), 0 past the last that counts
+                                 lengths=last_counted(mb['mask']), pos=mb['pos'],
+                                 plain=cfg.plain, top_k=cfg.logp_top_k, top_p=cfg.logp_top_p)
         for o, x in zip(out, got if entropy else (got,)):
-            o[rows, :x.shape[1]] = x.to(o.dtype)
+            o[index, :x.shape[1]] = x.to(o.dtype)
     return tuple(out) if entropy else out[0]
 
 

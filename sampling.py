@@ -1,14 +1,13 @@
 """
 Sampling: one token per row of logits, drawn exactly from the temperature softmax restricted by
-top-k/top-p, with the log-prob the trainer computes for it, at every step of generate below (the
-plain sampler) and of engine.py's.
+top-k/top-p, with the log-prob the trainer computes for it, at every step of GPT.generate's plain
+loop and of engine.py's.
 """
 import math
 
 import torch
 
 from lib.errors import ConfigError
-from lib.parallelism import asked
 from lib.truncation import candidates
 
 
@@ -88,63 +87,25 @@ def draw_uniforms(generator, steps, n_prompts, samples_per_prompt, device):
     return torch.rand(steps, n_prompts * samples_per_prompt, 2, device=device, generator=generator)
 
 def _draw(w, u):
-    """Exact inverse-CDF draw of one index (B, 1) per row of nonnegative weights w (B, V). A cumsum
-    over the whole vocabulary is slow (it is sequential), so draw in two levels: a block of ~sqrt(V)
-    tokens by its mass, then a token inside the block by its weight, each with its own uniform of u
-    (B, 2): two short cumsums instead of one over V (torch.multinomial is much slower still:
-    docs/performance.md)."""
+    """Exact inverse-CDF draw of one index (B, 1) per row of nonnegative weights w (B, V), by the
+    uniforms u (B, k): the index i with cdf[i-1] <= u * total < cdf[i], so entries of zero mass
+    are never hit. One uniform: one search of w's cumsum. Two: a cumsum over the whole
+    vocabulary is slow (it is sequential), so a block of ~sqrt(V) tokens is drawn by its mass,
+    then a token inside the block by its weight, each by its own uniform: two short cumsums
+    instead of one over V (torch.multinomial is much slower still: docs/performance.md)."""
+    if u.size(1) == 1:
+        cdf = w.cumsum(-1)
+        total = cdf[:, -1:].contiguous()  # (B, 1)
+        i = torch.searchsorted(cdf, u * total, right=True)
+        # u * total can round up to total: then take the last entry with positive mass
+        return torch.minimum(i, torch.searchsorted(cdf, total))
     B, V = w.shape
     bs = math.isqrt(V - 1) + 1  # block size
     full = V // bs * bs
     # (B, nb)
     mass = torch.cat([w[:, :full].view(B, -1, bs).sum(-1), w[:, full:].sum(-1, keepdim=True)], 1)
-    block = _search(mass.cumsum(-1), u[:, :1])  # (B, 1)
+    block = _draw(mass, u[:, :1])  # (B, 1)
     cols = block * bs + torch.arange(bs, device=w.device)  # (B, bs) the block's token ids
     # (B, bs) the last block may be short
     inside = w.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0)
-    return block * bs + _search(inside.cumsum(-1), u[:, 1:])
-
-def _search(cdf, u):
-    """Index i with cdf[i-1] <= u * total < cdf[i], so entries of zero mass are never hit."""
-    total = cdf[:, -1:].contiguous()  # (B, 1)
-    i = torch.searchsorted(cdf, u * total, right=True)
-    # u * total can round up to total: then take the last entry with positive mass
-    return torch.minimum(i, torch.searchsorted(cdf, total))
-
-
-@torch.no_grad()
-def generate(model, prompts, max_new_tokens, *, num_samples=1, temperature=1.0, top_k=None,
-             top_p=None, eos_id=None, generator=None):
-    """The plain sampler, GPT.generate(plain=True)'s and the reference engine.py is tested against:
-    no cache, each step runs every row's whole sequence through the model again (right-padded:
-    causal attention never looks at the padding) and draws each row's next token from the logits at
-    its newest one. It returns what engine.generate does, (tokens, mask, logprobs) each (N, L), with
-    the same draws (the same uniforms from the same generator, the same sample()), so its tokens
-    are bitwise comparable."""
-    device = model.lm_head.weight.device
-    uniforms = draw_uniforms(generator, max_new_tokens, len(prompts), num_samples, device)
-    rows = [p for p in prompts for _ in range(num_samples)]  # (N,) prompt-major
-    eos = eos_tensor(eos_id, device)
-    fill = 0 if eos is None else int(eos[0])  # what a row holds after its end
-    idx = torch.full((len(rows), max(map(len, rows)) + max_new_tokens), fill, device=device)
-    for i, row in enumerate(rows):
-        idx[i, :len(row)] = torch.tensor(row)
-    newest = torch.tensor([len(row) - 1 for row in rows], device=device)  # (N,)
-    every_row = torch.arange(len(rows), device=device)
-    done = torch.zeros(len(rows), dtype=torch.bool, device=device)
-    tokens, mask, logps = [], [], []
-    for step in range(max_new_tokens):
-        h = model.hidden(idx[:, :int(newest.max()) + 1])  # (N, T, C)
-        logits = model.lm_head(h[every_row, newest])  # (N, vocab_size)
-        tok, logp = sample(logits, temperature, top_k, top_p, uniforms[step])
-        tokens.append(tok.masked_fill(done, fill))
-        logps.append(logp.masked_fill(done, 0.0))
-        mask.append(~done)
-        newest = newest + 1
-        idx[every_row, newest] = tokens[-1]
-        if eos is not None:  # a row keeps its eos, and ends there
-            done = done | torch.isin(tok, eos)
-        # a stop signal: the run drops what this call samples, so it ends here
-        if done.all() or asked['signal']:
-            break
-    return torch.stack(tokens, 1), torch.stack(mask, 1), torch.stack(logps, 1)
+    return block * bs + _draw(inside, u[:, 1:])

@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from fractions import Fraction
-from types import SimpleNamespace
 
 import torch
 
@@ -30,9 +29,10 @@ from data import default_reward, load_dataset  # noqa: E402
 from loss import LOSS_TYPES, grpo_loss, group_advantages, kl_divergence  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from reward import get_reward_fns  # noqa: E402
-from rollout import is_flat, rollout, truncation  # noqa: E402
+from rollout import is_flat, make_batch, rollout  # noqa: E402
 from sampling import sample  # noqa: E402
-from lib.chat import load_template, stop_ids  # noqa: E402
+from configurator import run_config  # noqa: E402
+from lib.chat import load_template  # noqa: E402
 from lib.tokenizer import get_tokenizer  # noqa: E402
 
 DT = torch.float64
@@ -102,17 +102,18 @@ def real_rollout(run, **overrides):
     is the run's warm start: the policy RL started from. Returns (batch, info, policy, cfg)."""
     state = checkpoint.load_state(run)
     # the keys older runs lack, at their defaults
-    config = {'plain': False, 'truncate_logprobs': True, 'max_rows': 0, **state['config'], **overrides}
+    config = {'plain': False, 'truncate_logprobs': True, 'max_rows': 0, 'env': '', 'stop_tokens': (),
+              **state['config'], **overrides}
     enc = get_tokenizer(config['tokenizer'])
     template = load_template(config['chat_template'], config['tokenizer'], config.get('chat_date'))
-    cfg = SimpleNamespace(**config, world_size=1, autocast=False, ptdtype=torch.float32, on_policy=True,
-                          environment=None, template=template, eos_ids=stop_ids(enc, template))
-    cfg.truncation = truncation(cfg)
+    cfg = run_config(dict(config, device='cpu'), enc=enc, template=template, world_size=1)
     policy = GPT.from_pretrained(state['dir'])
     ref = GPT.from_pretrained(os.path.join(run, 'warmstart')) if cfg.beta > 0 else None
     rows = load_dataset(cfg.task, 'train', seed=cfg.seed, **cfg.task_options)
     names, weights = default_reward(cfg.task, rows)  # what the runs were scored with: they name no reward_funcs
-    batch, info = rollout(policy, ref, rows, state['iter'], 0, cfg, enc, get_reward_fns(names), weights)
+    reward_fns = get_reward_fns(names)
+    groups, info = rollout(policy, rows, state['iter'], 0, cfg, enc, reward_fns, weights)
+    batch = make_batch(policy, ref, groups=groups, info=info, rank=0, cfg=cfg, reward_weights=weights)
     return batch, info, policy, cfg
 
 

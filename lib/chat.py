@@ -385,31 +385,27 @@ def rewrites_history(template, **kwargs):
     return False
 
 
-def run_template(config, state=None):
-    """The run's chat template, from config's chat_template (see load_template): 'auto' is
-    init_from's own, none for a model from scratch; the special tokens are init_from's or the
-    tokenizer's checkpoint's. A resumed run renders as its first one did: with 'auto', the template
-    saved in its config, and always its date. Sets config['chat_template'] to where the template
-    came from and config['chat_date'] to the day strftime_now writes (today's, unless given), so
-    that both are saved with the run."""
-    if state:
-        config["chat_date"] = config["chat_date"] or state["config"].get("chat_date", "")
-        if config["chat_template"] == "auto":
-            config["chat_template"] = state["config"]["chat_template"]
-    pretrained = config["init_from"] not in ("scratch", "resume")
-    source = config["chat_template"]
-    source = "none" if source == "auto" and not pretrained else source
-    checkpoint = config["init_from"] if pretrained else config["tokenizer"]
-    config["chat_date"] = config["chat_date"] or datetime.date.today().isoformat()
+def run_template(chat_template, chat_date, *, init_from, tokenizer, saved=None):
+    """The run's chat template and the two settings it settles, saved with the run: (template,
+    chat_template: where it came from, chat_date: the day strftime_now writes, today's unless
+    given). 'auto' is init_from's own template, none for a model from scratch; the special tokens
+    are init_from's or the tokenizer's checkpoint's. A resumed run (saved: its first config)
+    renders as its first one did: with 'auto', the template saved, and always its date."""
+    if saved:
+        chat_date = chat_date or saved.get("chat_date", "")
+        chat_template = saved["chat_template"] if chat_template == "auto" else chat_template
+    pretrained = init_from not in ("scratch", "resume")
+    source = "none" if chat_template == "auto" and not pretrained else chat_template
+    checkpoint = init_from if pretrained else tokenizer
+    chat_date = chat_date or datetime.date.today().isoformat()
     try:
-        datetime.date.fromisoformat(config["chat_date"])
+        datetime.date.fromisoformat(chat_date)
     except ValueError:
-        raise ConfigError(f"chat_date={config['chat_date']!r} is not a day written YYYY-MM-DD "
+        raise ConfigError(f"chat_date={chat_date!r} is not a day written YYYY-MM-DD "
                           f"(e.g. 2025-03-09), nor '' for the day the run starts") from None
-    template = load_template(source, checkpoint, config["chat_date"])
-    config["chat_template"] = ("none" if template is None else checkpoint if source == "auto" else
-                               source)
-    return template
+    template = load_template(source, checkpoint, chat_date)
+    where = "none" if template is None else checkpoint if source == "auto" else source
+    return template, where, chat_date
 
 
 def text_of(ids, cfg, enc):

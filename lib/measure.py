@@ -87,52 +87,53 @@ def update_flops(model, rows, T, C):
     return rows * (body + C * (head - frozen_head))
 
 
-def mfu(flops, seconds, peak, world_size):
-    """Model FLOPs utilisation: the FLOPs of all ranks (summed) over what world_size devices of peak FLOP/s each
-    could do in those seconds, so that it reads the same at every world size (each rank's FLOPs over its own peak)."""
-    return flops / seconds / (peak * world_size)
+def row_flops(model, longest):
+    """The model FLOPs of a training row, once at the start for update_metrics: (body, head), a row of T tokens
+    with C completion positions costing body[T] + C * head (update_flops, which is linear in C), T up to
+    `longest`."""
+    return [update_flops(model, 1, T, 0) for T in range(longest + 1)], update_flops(model, 1, 0, 1)
 
 
-def update_metrics(stats, shapes, *, model, maxima, steps, seconds, peak, world_size,
-                   distributed):
+def update_metrics(stats, shapes, *, maxima, steps, seconds, flops, peak, world_size, distributed,
+                   held):
     """The update's numbers for the log, computed once after it, over every rank (each must call
     it). stats: grpo_loss's of every micro-batch, each its share of its step's token mean, summed
     in float64 and averaged over the `steps` optimizer steps, those named in maxima the largest.
     shapes: each micro-batch's (rows, T, completion tokens the output layer ran on, tokens not
-    padding, the rows' own tokens), for the model FLOPs, tokens/s, MFU, the padding's share and
-    the share of the rows' tokens that sharing a prompt saved. The same whatever the layout.
-    Returns (the speed: tokens/s and MFU, the stats and shares)."""
+    padding, the rows' own tokens), for the model FLOPs (row_flops' table), tokens/s, MFU, the
+    padding's share and the share of the rows' tokens that sharing a prompt saved. The same
+    whatever the layout. MFU: all ranks' FLOPs over what world_size devices of `peak` FLOP/s each
+    could do in those seconds, so that it reads the same at every world size. held: (model,
+    optimizer, reference model or None), whose tensors this rank holds for training (under FSDP
+    its shards): their MB. Returns (the speed: tokens/s and MFU, the stats, shares and memory)."""
     total = {}
     for micro_batch in stats:
         for k, v in micro_batch.items():
             v = v.detach().double()
             total[k] = v if k not in total else total[k].maximum(v) if k in maxima else total[k] + v
-    flops = sum(update_flops(model, b, T, n / b) for b, T, n, _, _ in shapes)
-    tokens = sum(b * T for b, T, *_ in shapes)
-    not_padding = sum(shape[3] for shape in shapes)
-    row_tokens = sum(shape[4] for shape in shapes)
+    body, head = flops
+    done = torch.tensor([sum(b * body[T] + n * head for b, T, n, _, _ in shapes),
+                         sum(b * T for b, T, *_ in shapes), sum(shape[3] for shape in shapes),
+                         sum(shape[4] for shape in shapes)], dtype=torch.float64)
     values = largest = torch.stack(list(total.values()))
-    done = torch.tensor([flops, tokens, not_padding, row_tokens], dtype=torch.float64)
     if distributed:
         values, largest, done = all_sum(values), gather(values[None]).amax(0), all_sum(done)
     flops, tokens, not_padding, row_tokens = done.tolist()
     means = {k: (largest[i] if k in maxima else values[i] / steps).item()
              for i, k in enumerate(total)}
-    speed = dict(train_tok_s=tokens / seconds, mfu=mfu(flops, seconds, peak, world_size))
+    speed = dict(train_tok_s=tokens / seconds, mfu=flops / seconds / (peak * world_size))
     shares = dict(pad_share=1 - not_padding / tokens, saved_share=1 - not_padding / row_tokens)
-    return speed, dict(means, **shares)
-
-
-def resident_mb(model, optimizer, ref_model=None):
-    """What this rank holds for training, in MB: its parameters (under FSDP its shards), their gradients (trainable
-    ones only: LoRA's base has none), AdamW's moments, and a separate reference model's parameters."""
+    model, optimizer, ref_model = held
     local = lambda t: t.to_local() if hasattr(t, 'to_local') else t  # an FSDP shard's own part
     size = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts) / 2**20
     params = list(model.parameters())  # a tied weight once
-    ref = size(ref_model.parameters()) if ref_model is not None and ref_model is not model else 0.0
-    return {'mem/params_mb': size(params), 'mem/grads_mb': size(p for p in params if p.requires_grad),
-            'mem/optimizer_mb': size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
-            'mem/ref_mb': ref}
+    # LoRA's base has no gradient, and a LoRA run's reference is the policy itself
+    memory = {'mem/params_mb': size(params),
+              'mem/grads_mb': size(p for p in params if p.requires_grad),
+              'mem/optimizer_mb': size(v for state in optimizer.state.values()
+                                       for v in state.values() if torch.is_tensor(v)),
+              'mem/ref_mb': size(ref_model.parameters()) if ref_model not in (None, model) else 0.0}
+    return speed, dict(means, **shares, **memory)
 
 
 def fastest_dtype(device):

@@ -15,19 +15,18 @@ from lib import chat
 from lib.chat import text_of
 
 
-def environment(name, sandbox, cfg):
+def environment(name, sandbox, template, chat_template_kwargs):
     """The run's environment (lib/envs.py's get_env), imported only now: see the module's
     docstring. With a chat template, the tool turn it renders is checked now (chat.tool_turn), and
     where the template rewrites earlier turns a line says what the run does about it."""
     from lib.envs import get_env
     env = get_env(name, sandbox)
     tools = chat.tools_of(env)
-    if cfg.template is not None and tools:
+    if template is not None and tools:
         user = dict(role='user', content='2+2?')
-        chat.tool_turn(cfg.template, [user], [dict(role='tool', content='4')], tools=tools,
-                       **cfg.chat_template_kwargs)
-    if cfg.template is not None and chat.rewrites_history(cfg.template, **cfg.chat_template_kwargs):
-        print(f"note: {cfg.template.where}'s chat template renders a past turn differently once a "
+        chat.tool_turn(template, [user], [dict(role='tool', content='4')], tools=tools, **chat_template_kwargs)
+    if template is not None and chat.rewrites_history(template, **chat_template_kwargs):
+        print(f"note: {template.where}'s chat template renders a past turn differently once a "
               f"turn follows (Qwen3 drops its reasoning); this run keeps the tokens each turn "
               f"sampled and appends only what the template renders for what follows: a trajectory "
               f"is what the policy saw, not a re-rendering")
@@ -89,10 +88,11 @@ def counts(record):
                 errors=torch.tensor([sum(o.lstrip().startswith('error') for o in e['observations']) for e in record]))
 
 
-def metrics(info, gather):
-    """What the log says of the episodes, over all ranks (gather): how often the policy calls the environment, and
-    how often it errs (a multi-turn run's: rollout_metrics calls it where info has 'calls')."""
-    calls, errors = (gather(info[k].to(torch.float64)).cpu() for k in ('calls', 'errors'))
+def metrics(info):
+    """What the log says of the episodes, over all ranks (info's, from rollout.make_batch): how often the policy
+    calls the environment, and how often it errs (a multi-turn run's: rollout_metrics calls it where info has
+    'calls')."""
+    calls, errors = info['calls'], info['errors']
     return {'env/call_rate': (calls > 0).double().mean().item(), 'env/calls': calls.mean().item(),
             'env/error_share': errors.sum().item() / max(calls.sum().item(), 1.0)}
 

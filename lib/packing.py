@@ -8,7 +8,7 @@ import torch
 
 
 def micro_batches(batch, size, need):
-    """Yield (rows, micro-batch), the ceil(B / size) micro-batches of a step, every row of batch in exactly one,
+    """Yield (index, micro-batch), the ceil(B / size) micro-batches of a step, every row of batch in exactly one,
     with next to no forward or backward work on padding, nor on a prompt twice. Each row needs its prompt and the
     completion tokens that count (causal attention never reads past them), and the rows of one prompt (a group)
     need its tokens once: a sequence holds a prompt but its last token once, then each of its rows as that last
@@ -19,7 +19,7 @@ def micro_batches(batch, size, need):
     longest. A micro-batch holds idx (S, T) the packed tokens, pos (S, T) each token's position in its row (0 where
     a prompt begins), start (n,) where each of its n rows' completion begins, as a flat index into idx, tokens (how
     many of idx's are not padding), row_tokens (the rows' prompts and completions, a prompt once a row), and the
-    batch's other tensors for those rows (`rows`, indices into batch), the (B, C) ones cut to their longest
+    batch's other tensors for those rows (index: their rows in batch), the (B, C) ones cut to their longest
     completion. The loss's step-wide normalisers make the update the same however rows are grouped (bnpo, a mean
     per micro-batch, aside). need (B,): each row's completion tokens up to the last that counts."""
     start, n, dev = batch['start'].tolist(), need.tolist(), need.device

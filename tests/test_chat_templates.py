@@ -253,22 +253,17 @@ def test_encode_prompt():
 
 
 def test_run_template(tmp_path):
-    """'auto': init_from's template, none from scratch; the date fixed in config; a resumed run
+    """'auto': init_from's template, none from scratch; the date settled; a resumed run
     renders as its first did, with its template and its date, whatever the day."""
     rm = os.path.join(ROOT, "tests", "fixtures", "rm", "qwen2")
-    config = dict(chat_template="auto", chat_date="", init_from=rm, tokenizer=rm)
-    t = run_template(config)
-    assert t.where == rm and config["chat_template"] == rm
-    assert config["chat_date"] == datetime.date.today().isoformat()
-    scratch = dict(chat_template="auto", chat_date="2025-01-02", init_from="scratch", tokenizer=rm)
-    assert run_template(scratch) is None
-    assert scratch == dict(scratch, chat_template="none", chat_date="2025-01-02")
-    given = dict(scratch, chat_template=os.path.join(HERE, "llama3_2.jinja"))
-    assert "Today Date: 02 Jan 2025" in apply_chat_template(run_template(given), [USER])
-    resumed = dict(chat_template="auto", chat_date="", init_from="resume", tokenizer=rm)
-    assert run_template(resumed, dict(config=given)).where == given["chat_template"]
-    assert resumed["chat_date"] == "2025-01-02"
-    assert resumed["chat_template"] == given["chat_template"]
+    t, where, day = run_template("auto", "", init_from=rm, tokenizer=rm)
+    assert t.where == where == rm and day == datetime.date.today().isoformat()
+    assert run_template("auto", "2025-01-02", init_from="scratch", tokenizer=rm) == (None, "none", "2025-01-02")
+    given = dict(chat_template=os.path.join(HERE, "llama3_2.jinja"), chat_date="2025-01-02")
+    t = run_template(given["chat_template"], "2025-01-02", init_from="scratch", tokenizer=rm)[0]
+    assert "Today Date: 02 Jan 2025" in apply_chat_template(t, [USER])
+    t, where, day = run_template("auto", "", init_from="resume", tokenizer=rm, saved=given)
+    assert t.where == where == given["chat_template"] and day == "2025-01-02"
 
 
 # -----------------------------------------------------------------------------

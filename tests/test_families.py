@@ -18,7 +18,6 @@ import model as model_module
 from lib.measure import flops_per_token
 from configurator import ConfigError
 from model import GPT, GPTConfig, rope_frequencies
-from sampling import generate as reference_generate
 from test_model import PROMPTS, brute_logprobs, record_logits
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -97,7 +96,7 @@ def test_cached_equals_uncached(fixture, temperature):
     _, model, _ = fixture
     tokens, mask, logps = model.generate(PROMPTS, 10, num_samples=2, temperature=temperature,
                                          generator=torch.Generator().manual_seed(1))
-    ref_tokens, _, ref_logps = reference_generate(model, PROMPTS, 10, num_samples=2, temperature=temperature,
+    ref_tokens, _, ref_logps = model.generate(PROMPTS, 10, plain=True, num_samples=2, temperature=temperature,
                                                generator=torch.Generator().manual_seed(1))
     assert torch.equal(tokens, ref_tokens) and mask.all()
     torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=0)

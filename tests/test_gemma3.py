@@ -17,7 +17,6 @@ from safetensors.torch import load_file, save_file
 
 from configurator import ConfigError
 from model import GPT
-from sampling import generate as reference_generate
 from test_exact import BASE, TORCHRUN, launch, max_diff, weights
 from test_families import copy, edit_json
 from test_model import record_logits
@@ -69,7 +68,7 @@ def test_cached_equals_uncached_past_the_window(tiny, temperature):
     prompts = [[5, 9, 200, 3, 77, 12, 41, 8, 150, 2], [17, 4, 99]]
     tokens, mask, logps = model.generate(prompts, 16, num_samples=2, temperature=temperature,
                                          generator=torch.Generator().manual_seed(3))
-    ref_tokens, _, ref_logps = reference_generate(model, prompts, 16, num_samples=2, temperature=temperature,
+    ref_tokens, _, ref_logps = model.generate(prompts, 16, plain=True, num_samples=2, temperature=temperature,
                                                generator=torch.Generator().manual_seed(3))
     assert torch.equal(tokens, ref_tokens) and mask.all()
     torch.testing.assert_close(logps, ref_logps, atol=1e-12, rtol=0)

@@ -1,6 +1,6 @@
 """
 Tests for model.py against independent references: Hugging Face's own logits for a fixture checkpoint, a no-cache
-full-recompute decoder (sampling.generate), brute-force log-softmax loops, and chi-square tests of the sampler.
+full-recompute decoder (GPT.generate(plain=True)), brute-force log-softmax loops, and chi-square tests of the sampler.
 """
 
 import copy
@@ -22,7 +22,7 @@ from lib.cpu_buffers import _buffers
 from lib.head import HeadLogprobs
 from lib.measure import flops_per_token, update_flops
 from model import GPT, GPTConfig
-from sampling import generate as reference_generate, sample
+from sampling import sample
 import sampling
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-gpt2-a")
@@ -81,7 +81,7 @@ def test_cached_equals_uncached(tiny, temperature):
 
 def test_eos_ends_rows_and_compacts_batch(tiny):
     prompts, steps = [[p, (7 * p) % 257] for p in range(0, 257, 16)], 24  # 17 prompts
-    ref_tokens, _, _ = reference_generate(tiny, prompts, steps, temperature=0)
+    ref_tokens, _, _ = tiny.generate(prompts, steps, plain=True, temperature=0)
     # the token most often seen early in the reference continuations, so that many rows end early
     eos = int(ref_tokens[:, :6].flatten().mode().values)
     seen, handle = record_logits(tiny)

@@ -151,8 +151,6 @@ def test_a_stop_in_the_update_saves_the_state_before_it(tmp_path, monkeypatch):
 def test_a_stop_ends_a_generate_early(monkeypatch):
     """generate, the engine's and the plain one, ends at its first check once a stop signal came (the run drops
     what it sampled): a pass or two through the model, not fifty."""
-    from engine import generate
-    from sampling import generate as plain
     model = GPT(GPTConfig(block_size=64, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).eval()
     passes, hidden = [], model.hidden
 
@@ -160,12 +158,13 @@ def test_a_stop_ends_a_generate_early(monkeypatch):
         passes.append(1)
         return hidden(*args, **kwargs)
     monkeypatch.setattr(model, 'hidden', counted, raising=False)
-    for sampler in (generate, plain):
+    for plain in (False, True):
         for sig in (0, signal.SIGINT):
             monkeypatch.setitem(parallelism.asked, 'signal', sig)
             passes.clear()
-            sampler(model, [[1, 2, 3], [4]], 50, num_samples=2, generator=torch.Generator().manual_seed(0))
-            assert len(passes) <= 2 if sig else len(passes) >= 49, (sampler.__module__, sig, len(passes))
+            model.generate([[1, 2, 3], [4]], 50, num_samples=2, plain=plain,
+                           generator=torch.Generator().manual_seed(0))
+            assert len(passes) <= 2 if sig else len(passes) >= 49, (plain, sig, len(passes))
 
 
 # a checkpoint write held up in its middle (trainer.json, the last file before the rename), announced on stdout

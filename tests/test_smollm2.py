@@ -93,8 +93,8 @@ def test_the_recipe_s_prompts_are_those_it_had():
     template, which gives every prompt of its task, token for token, what the hand-written 'chatml'
     renderer with SmolLM2's system message gave before it (issue 45): its runs keep their
     numbers."""
-    config = dict(chat_template="auto", chat_date="", init_from=GGUF, tokenizer=GGUF)
-    cfg = SimpleNamespace(template=run_template(config), system_prompt=None,
+    template = run_template("auto", "", init_from=GGUF, tokenizer=GGUF)[0]
+    cfg = SimpleNamespace(template=template, system_prompt=None,
                           chat_template_kwargs={}, environment=None)
     enc = get_tokenizer(GGUF)
     system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -334,7 +334,7 @@ def test_micro_batches_pack_rows_and_change_nothing_but_the_work(case, family):
     for a, p in zip(grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-10, atol=1e-12)
     cfg = SimpleNamespace(micro_batch_size=size, dtype='float64', ptdtype=torch.float64, autocast=False,
-                          temperature=0.7, plain=False, truncation={})
+                          temperature=0.7, plain=False, logp_top_k=None, logp_top_p=None)
     with torch.no_grad():
         whole = model.logprobs(batch['idx'], start, C, 0.7)  # (B, C) in one pass, padded to the longest row
     torch.testing.assert_close(logprobs(model, batch, cfg)[mask], whole[mask], rtol=1e-12, atol=1e-12)
@@ -350,11 +350,25 @@ def test_sampler_gap_is_logged(tmp_path, dtype, mu):
     assert len(gaps) == 2 and all(0 <= g < (1e-4 if dtype == 'float32' else 0.5) for g in gaps), gaps
 
 
-def test_mfu_reads_the_same_at_every_world_size():
-    """Two ranks doing one rank's work each, in the same time, on devices of the same peak: the same MFU as one
-    rank (train.py sums the FLOPs over ranks: divided by one rank's peak, 2 ranks read twice the MFU)."""
-    per_rank, seconds, peak = 3e12, 2.0, 4e12
-    one = measure.mfu(per_rank, seconds, peak, world_size=1)
-    assert one == pytest.approx(0.375)
-    for world_size in (2, 8):
-        assert measure.mfu(per_rank * world_size, seconds, peak, world_size=world_size) == pytest.approx(one)
+def test_update_metrics_counts_each_micro_batch_once():
+    """update_metrics from row_flops' table: the FLOPs are each micro-batch's update_flops (its rows, length and
+    completion tokens), the MFU those over seconds x the peak of all ranks (train.py sums the FLOPs over ranks, so
+    it reads the same at every world size); stats summed, maxima the largest; the memory held is the parameters,
+    their gradients and AdamW's two moments."""
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(50, (2, 8)), start=torch.tensor([3, 4]), length=4).sum().backward()
+    optimizer.step()
+    shapes = [(4, 20, 30, 70, 80), (3, 32, 50, 90, 96)]  # (rows, T, completion tokens, tokens, row tokens)
+    stats = [dict(kl=torch.tensor(0.5), top=torch.tensor(2.0)), dict(kl=torch.tensor(0.25), top=torch.tensor(1.0))]
+    flops = sum(measure.update_flops(model, b, T, n / b) for b, T, n, _, _ in shapes)
+    for world_size in (1, 2):
+        speed, rest = measure.update_metrics(stats, shapes, maxima=('top',), steps=1, seconds=2.0,
+                                             flops=measure.row_flops(model, 32), peak=1e9, world_size=world_size,
+                                             distributed=False, held=(model, optimizer, None))
+        assert speed['mfu'] == pytest.approx(flops / 2.0 / (1e9 * world_size), rel=1e-12)
+    assert speed['train_tok_s'] == (4 * 20 + 3 * 32) / 2.0 and rest['kl'] == 0.75 and rest['top'] == 2.0
+    assert rest['pad_share'] == pytest.approx(1 - 160 / 176) and rest['saved_share'] == pytest.approx(1 - 160 / 176)
+    params = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    assert rest['mem/params_mb'] == rest['mem/grads_mb'] == pytest.approx(params) and rest['mem/ref_mb'] == 0
+    assert rest['mem/optimizer_mb'] == pytest.approx(2 * params, rel=0.01)  # and a step count per tensor

