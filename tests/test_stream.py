@@ -161,3 +161,14 @@ def test_two_ranks_each_with_its_queue_resume_bitwise(policy, tmp_path):
     p = launch([args + ['--init_from=resume', '--max_iters=6', f'--out_dir={tmp_path}/resumed']], tmp_path,
                name='one.json', check=False)
     assert p.returncode != 0 and 'resume it on as many (torchrun --nproc_per_node=2)' in p.stdout + p.stderr
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(max_staleness=-1), "max_staleness=-1 must be >= 0"),
+    (dict(stale_correction='is'), "unknown stale_correction 'is'; choose one of decoupled, tis, none")])
+def test_bad_stale_settings_are_refused_in_one_line(overrides, message, tmp_path):
+    from configurator import check_config, configure
+    from test_config import DEFAULTS
+    c = dict(configure(DEFAULTS, []), out_dir=str(tmp_path), **overrides)
+    with pytest.raises(ValueError, match=message):
+        check_config(c, world_size=1)
