@@ -132,7 +132,8 @@ def check_config(c, world_size, distributed=False):
         lr_schedule=('constant', 'cosine'),
         dtype=('auto', 'float32', 'float64', 'bfloat16', 'float16'),
         parallel=('ddp', 'fsdp'), sandbox=('bwrap', 'none'),
-        reward_model_dtype=('float32', 'bfloat16', 'float64'))
+        reward_model_dtype=('float32', 'bfloat16', 'float64'),
+        stale_correction=('decoupled', 'tis', 'none'))
     for key, valid in choices.items():
         if c[key] not in valid:
             raise unknown(key, c[key], valid)
@@ -144,7 +145,7 @@ def check_config(c, world_size, distributed=False):
         sft_batch_size=1, max_resample_rounds=0, warmup_iters=0,
         ref_sync_every=0, max_bad_steps=1, n_layer=1, n_head=1, n_embd=1,
         block_size=2, vocab_size=0, grad_clip=0, weight_decay=0,
-        peak_flops=0, lora_rank=0, tool_workers=1)
+        peak_flops=0, lora_rank=0, tool_workers=1, max_staleness=0)
     why = dict(
         num_generations="; GRPO learns from differences between the completions "
                         "of one prompt",
@@ -452,4 +453,6 @@ def run_config(config, *, enc, template, world_size):
         # trainer on the full softmax does, whose KL in the reward needs its own too. On-policy
         # the loss takes the training forward's own (logp.detach()) and needs no pass.
         redo_old_logps=(autocast or full_softmax) and not on_policy
-        or full_softmax and c.kl_in_reward)
+        or full_softmax and c.kl_in_reward
+        # the decoupled objective's proximal policy: the one before the update (lib/stream.py)
+        or c.max_staleness > 0 and c.stale_correction == 'decoupled' and not on_policy)

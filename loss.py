@@ -85,6 +85,13 @@ Everything here is a loss (the negated objective). Where each paper's equation l
     each reward function normalised in its      decoupled_advantages
     group, then the weighted sum normalised
     over the batch
+  Decoupled PPO (AReaL, Fu et al. 2025)
+    a group sampled versions ago: the clip on   decoupled_loss (lib/stream.py's
+    r = pi / pi_prox, the policy before the     stale_correction="decoupled")
+    update, times min(pi_prox / pi_behav, C)
+  Truncated IS (Espeholt et al. 2018; TIS)
+    sg(min(pi / pi_behav, C)) A grad log pi:    truncated_is_loss
+    no proximal policy, no recompute            (stale_correction="tis")
 
 Where the KL goes. The GRPO paper adds beta * KL to the loss, per token, instead of
 subtracting it from the reward as PPO for RLHF does. That keeps the advantage a pure
@@ -563,3 +570,54 @@ def loss_stats(valid, num_tokens, *, ratio, kl, clipped, sampler, entropy,
     if rho is not None:
         stats["sampler_correction/weight"] = share(rho)
     return {k: v.detach() for k, v in stats.items()}
+
+
+# -----------------------------------------------------------------------------
+# Groups sampled some policy versions ago (lib/stream.py, max_staleness > 0): grpo_loss
+# with the behaviour policy's log-probs in the sampler's place
+
+def decoupled_loss(logps, prox_logps, ref_logps, advantages, mask, *, sampler_logps,
+                   sampler_correction="token_truncate", sampler_correction_clip_min=None,
+                   sampler_correction_clip_max=3.0, num_tokens=None, **kwargs):
+    """
+    AReaL's decoupled PPO (Fu et al. 2025, arXiv 2505.24298, eq. 5) for groups the
+    behaviour policy pi_behav sampled some versions ago (sampler_logps: its log-probs).
+    PPO's clip on the ratio to the proximal policy, r = pi / pi_prox, times the weight
+    w = pi_prox / pi_behav, truncated to [clip_min, clip_max] ("token_truncate"; the
+    "..._mask" corrections zero it outside, as AReaL's cap does). prox_logps: the
+    policy before this update, its log-probs recomputed; None on a rollout's first
+    step, where they are logps' own. The trust region is around pi_prox, not the stale
+    pi_behav, so a stale group moves the policy as far as a fresh one. grpo_loss's
+    other keywords pass through; stats["stale/clipped"] is the share of tokens whose
+    weight the bounds changed.
+    """
+    loss, stats = grpo_loss(logps, prox_logps, ref_logps, advantages, mask,
+                            sampler_logps=sampler_logps,
+                            sampler_correction=sampler_correction,
+                            sampler_correction_clip_min=sampler_correction_clip_min,
+                            sampler_correction_clip_max=sampler_correction_clip_max,
+                            num_tokens=num_tokens, **kwargs)
+    valid = mask.bool()
+    prox = logps.detach() if prox_logps is None else prox_logps
+    # the weight before its bounds, per token or per sequence as the correction's
+    level = sampler_correction.split("_")[0]
+    gap = torch.where(valid, prox - sampler_logps, 0.0)
+    rho = sampler_weight(gap, level + "_truncate", None, math.inf)
+    low = 0.0 if sampler_correction_clip_min is None else sampler_correction_clip_min
+    clipped = ((rho < low) | (rho > sampler_correction_clip_max)) & valid
+    count = valid.sum() if num_tokens is None else num_tokens
+    share = clipped.sum(dtype=torch.float64) / torch.as_tensor(count).clamp(min=1)
+    stats["stale/clipped"] = share.detach()
+    return loss, stats
+
+
+def truncated_is_loss(logps, old_logps, ref_logps, advantages, mask, **kwargs):
+    """
+    TIS on the ratio to the sampler (Yao et al. 2025's truncated weight; truncated
+    importance sampling as in IMPALA, Espeholt et al. 2018): the policy gradient of
+    the policy as it is now, each token weighed by w = pi / pi_behav, detached and
+    truncated (or masked) to [clip_min, clip_max]. No proximal policy, so no recompute
+    and no clip but w's bounds: old_logps is not read. decoupled_loss with
+    pi_prox = pi (detached), so the two are one on a rollout's first step.
+    """
+    return decoupled_loss(logps, None, ref_logps, advantages, mask, **kwargs)

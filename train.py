@@ -29,7 +29,7 @@ from model import GPT, GPTConfig
 from rollout import (last_counted, make_batch, micro_batches, prompt_seed, rollout,
                      rollout_metrics, top_entropy_mask)
 import sft
-from lib import chat, checkpoint, lora, parallelism
+from lib import chat, checkpoint, lora, parallelism, stream
 from lib.errors import need_package
 from lib.measure import (fastest_dtype, iteration_line, log, matmul_peak, memory_mb,
                          row_flops, update_metrics)
@@ -75,6 +75,8 @@ max_completion_length = 8
 temperature = 1.0  # the sampler's, and the loss's log-probs': the ratio is of one policy
 top_k, top_p = None, None  # sample among the top_k likeliest, the fewest holding top_p
 max_rows = 0  # rows decoded at once at most, a group seated as one leaves; 0 = all
+max_staleness = 0  # K > 0: train on groups sampled K versions ago (lib/stream.py)
+stale_correction = 'decoupled'  # their objective: 'decoupled' (AReaL), 'tis', 'none'
 truncate_logprobs = True  # top_k/top_p: train on q, what sampled; False: the full softmax
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling, max_resample_rounds = False, 4  # DAPO: resample groups of one reward
@@ -234,6 +236,9 @@ loss_fn = functools.partial(
     sampler_correction=sampler_correction,
     sampler_correction_clip_min=sampler_correction_clip_min,
     sampler_correction_clip_max=sampler_correction_clip_max, entropy_coef=entropy_coef)
+# K > 0: the stale groups' objective (loss.py's decoupled_loss or truncated_is_loss)
+if max_staleness:
+    loss_fn = stream.objective(loss_fn, stale_correction)
 
 
 def save(it):
@@ -247,7 +252,7 @@ def save(it):
         checkpoint.save(out_dir, it, model=raw_model, optimizer=optimizer,
                         ref_model=ref_model, trainer_state=trainer_state,
                         tokenizer_dir=tokenizer_dir, save_merged=lora_save_merged,
-                        last=saved_it)
+                        last=saved_it, stream=ahead and ahead.tensors(it))
     return it
 
 
@@ -297,6 +302,13 @@ else:
     ref_model = parallelism.frozen_copy(
         raw_model, device=device, dtype=param_dtype, bf16=bf16,
         saved=os.path.join(state['dir'], 'ref') if state else None)
+# K > 0: sampling runs K iterations ahead of training, rollouts in flight (lib/stream.py)
+ahead = stream.Stream(
+    functools.partial(rollout, raw_model, train_rows=train_rows, rank=rank, cfg=cfg,
+                      enc=enc, reward_fns=reward_fns, reward_weights=reward_weights),
+    max_staleness=max_staleness, seed=seed, rank=rank,
+    saved=state and checkpoint.load_stream(state['dir'], rank, world_size),
+) if max_staleness else None
 # MFU's peak, in the dtype the update computes in, and the FLOPs of a row by its length
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]
 flops = row_flops(raw_model, block_size)
@@ -337,9 +349,13 @@ for it in range(iter_start, max_iters + 1):
     # FSDP: the weights, gathered for the rollout
     with gathered(raw_model, ref_model) if fsdp else nullcontext():
         # G completions of each prompt, sampled and scored; then the batch and advantages
-        groups, info = rollout(raw_model, train_rows=train_rows, it=it, rank=rank,
-                               cfg=cfg, enc=enc, reward_fns=reward_fns,
-                               reward_weights=reward_weights)
+        if not max_staleness:
+            groups, info = rollout(raw_model, train_rows=train_rows, it=it, rank=rank,
+                                   cfg=cfg, enc=enc, reward_fns=reward_fns,
+                                   reward_weights=reward_weights)
+        else:
+            # those sampled K versions ago, after this version's are sampled ahead
+            groups, info = ahead.take(it)
         batch = make_batch(raw_model, ref_model, groups=groups, info=info, rank=rank,
                            cfg=cfg, reward_weights=reward_weights)
     t1 = time.perf_counter()
@@ -420,12 +436,15 @@ for it in range(iter_start, max_iters + 1):
     metrics = dict(iter=it, **rollout_metrics(info, cfg, reward_fns, accuracy), **speed,
                    dt=t2 - t0, mem_mb=memory_mb(device), **update, grad_norm=grad_norm,
                    lr=get_lr(max(step - 1, 0)), bad_steps=bad,
-                   **{f'time/{k}': v for k, v in times.items()})
+                   **{f'time/{k}': v for k, v in times.items()},
+                   **info.get('stale', {}))
     # evaluations included
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)
     if master:
         line = iteration_line(metrics, max_iters=max_iters, eta=eta,
                               reward_fns=reward_fns)
+        if max_staleness:
+            line += stream.line(metrics)
         log(metrics, line, out_dir=out_dir, wandb=wandb)
 
 if master and wandb:

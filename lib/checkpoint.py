@@ -91,7 +91,8 @@ def ckpt_dir(out_dir, it):
     return os.path.join(out_dir, f"ckpt-{it:06d}")
 
 
-def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None, save_merged=False, last=None):
+def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None, save_merged=False, last=None,
+         stream=None):
     """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then. With
     tokenizer_dir, its tokenizer files are copied in too, so the checkpoint is a whole Hugging Face model directory.
     Every rank calls it: under FSDP the weights are gathered to rank 0 a tensor at a time and each rank writes its own
@@ -99,7 +100,8 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
     ranks hold the same state and rank 0 writes it all (optimizer.safetensors). With LoRA and save_merged, merged/
     holds the base with the adapters merged in, a whole Hugging Face model. last: the iteration of the run's last
     checkpoint (saved or resumed from), if any: with LoRA its frozen base is this one's, so its model files are
-    linked, not gathered and written again."""
+    linked, not gathered and written again. stream: this rank's rollouts in flight (lib/stream.py), tensors each rank
+    writes to stream.rank{r}.safetensors."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards = parallelism.sharded(model)
     ref_model = None if ref_model is model else ref_model  # LoRA's reference is the base model: nothing to save
@@ -133,6 +135,10 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
     if shards or rank == 0:
         file = os.path.join(tmp, f'optimizer.rank{rank}.safetensors' if shards else 'optimizer.safetensors')
         save_file(parallelism.local_state(optimizer), file)
+        _fsynced(file)
+    if stream is not None:
+        file = os.path.join(tmp, f'stream.rank{rank}.safetensors')
+        save_file(stream, file)
         _fsynced(file)
     parallelism.barrier()  # every shard is on disk before the checkpoint becomes the latest
     if rank == 0:
@@ -218,17 +224,34 @@ def load_optimizer(path, optimizer, rank=None):
     """Load the AdamW state saved by save() into optimizer (which must have the same parameter groups): the whole of it,
     or with rank (FSDP) that rank's shard, into moments sharded like their parameters."""
     file = os.path.join(path, 'optimizer.safetensors' if rank is None else f'optimizer.rank{rank}.safetensors')
-    try:
-        tensors = load_file(file)
-    except (SafetensorError, OSError) as e:
-        raise ConfigError(f"{file} cannot be read ({e}); the checkpoint is damaged, restore it or start "
-                          f"with init_from='scratch'") from None
+    tensors = _tensors(file)
     state = {}
     for key, value in tensors.items():
         i, k = key.split('.', 1)
         state.setdefault(int(i), {})[k] = value
     optimizer.load_state_dict(dict(state=parallelism.to_params(state, optimizer),
                                    param_groups=read_json(os.path.join(path, 'optimizer.json'))))
+
+
+def load_stream(path, rank, world_size):
+    """This rank's rollouts in flight in checkpoint path (lib/stream.py's tensors), {} if it has none (a run with
+    max_staleness=0). Each rank holds its own prompts' groups: the run resumes on as many ranks."""
+    files = [f for f in os.listdir(path) if f.startswith('stream.rank')]
+    if not files:
+        return {}
+    if len(files) != world_size:
+        raise ConfigError(f"{path} holds the rollouts in flight of {len(files)} rank(s); resume it on as many "
+                          f"(torchrun --nproc_per_node={len(files)}), this run has {world_size}")
+    return _tensors(os.path.join(path, f'stream.rank{rank}.safetensors'))
+
+
+def _tensors(file):
+    """A checkpoint's safetensors file, or one line saying it is damaged."""
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{file} cannot be read ({e}); the checkpoint is damaged, restore it or start "
+                          f"with init_from='scratch'") from None
 
 
 # -----------------------------------------------------------------------------

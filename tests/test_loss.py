@@ -15,8 +15,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from loss import (LOSS_TYPES, decoupled_advantages, entropy_threshold, grpo_loss, group_advantages,  # noqa: E402
-                  kl_divergence)
+from loss import (LOSS_TYPES, decoupled_advantages, decoupled_loss, entropy_threshold, grpo_loss,  # noqa: E402
+                  group_advantages, kl_divergence, truncated_is_loss)
 from configurator import check_loss  # noqa: E402
 
 DT = torch.float64
@@ -541,6 +541,93 @@ def test_bnpo_is_the_mean_of_micro_batch_token_means():
     torch.testing.assert_close(summed, want, rtol=1e-10, atol=1e-12)
     _, whole, _ = loss_and_grad(grpo_loss, logps, old, ref, adv, mask, loss_type="bnpo")
     assert not torch.allclose(summed, whole)  # unlike dapo, it depends on the split
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# groups sampled some versions ago (issue 57): the decoupled objective and TIS on the ratio to the sampler
+
+def reference_stale_loss(logps, prox, behav, adv, mask, loss_type="dr_grpo", mode="token_truncate", clip_min=None,
+                         clip_max=3.0, eps=0.2):
+    """Brute force from the papers' equations, a loop over sequences and one over their tokens; returns (loss,
+    share of tokens whose weight the bounds changed). AReaL's decoupled PPO (prox given): -w min(r A, clip(r) A),
+    r = pi / pi_prox, w = pi_prox / pi_behav bounded. TIS (prox None): the same with pi_prox = sg(pi), i.e.
+    -sg(w) A pi / sg(pi), w = pi / pi_behav bounded."""
+    B, T = logps.shape
+    rows = [[t for t in range(T) if mask[i, t]] for i in range(B)]
+    tokens = sum(map(len, rows))
+    low = 0.0 if clip_min is None else clip_min
+    loss, clipped = logps.sum() * 0, 0
+    for i, toks in enumerate(rows):
+        A = adv[i].item()
+        pis = [logps[i, t].item() if prox is None else prox[i, t].item() for t in toks]
+        seq_w = math.exp(sum(p - behav[i, t].item() for t, p in zip(toks, pis)))
+        token_sum = 0.0
+        for t, p in zip(toks, pis):
+            w = seq_w if mode.startswith("sequence") else math.exp(p - behav[i, t].item())
+            inside = low <= w <= clip_max
+            clipped += not inside
+            w = min(max(w, low), clip_max) if mode.endswith("truncate") else w if inside else 0.0
+            r = torch.exp(logps[i, t] - p)
+            token_sum = token_sum - w * min(r * A, max(min(r, 1 + eps), 1 - eps) * A)
+        if not toks:
+            continue
+        if loss_type == "grpo":
+            loss = loss + token_sum / len(toks) / B
+        elif loss_type == "dr_grpo":
+            loss = loss + token_sum / (B * T)
+        else:  # dapo
+            loss = loss + token_sum / tokens
+    return loss, clipped / tokens
+
+
+STALE_MODES = [(mode, lo, hi) for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+               for lo, hi in ((None, 1.2), (0.8, 1.1))]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("mode,lo,hi", STALE_MODES)
+@pytest.mark.parametrize("tis", [False, True], ids=["decoupled", "tis"])
+def test_stale_objectives_match_brute_force(tis, mode, lo, hi, loss_type):
+    logps, prox, _, adv, mask = make_batch(seed=40)
+    # near the weight's numerator (pi_prox, or TIS's pi); the sequence's weight is a product over its tokens: a
+    # smaller gap per token, so that some weights are inside the bounds and some not
+    near = torch.where(mask, logps, -1000.0) if tis else prox
+    behav = sampler_of(near, seed=41, spread=0.05 if mode.startswith("sequence") else 0.3)
+    kw = dict(sampler_logps=behav, sampler_correction=mode, sampler_correction_clip_min=lo,
+              sampler_correction_clip_max=hi, loss_type=loss_type)
+    fn = truncated_is_loss if tis else decoupled_loss
+    loss, grad, stats = loss_and_grad(fn, logps, prox, None, adv, mask, **kw)
+    ref_loss, ref_grad, _ = loss_and_grad(reference_stale_loss, logps, None if tis else prox, behav, adv, mask,
+                                          loss_type=loss_type, mode=mode, clip_min=lo, clip_max=hi)
+    clipped = reference_stale_loss(logps, None if tis else prox, behav, adv, mask, mode=mode, clip_min=lo,
+                                   clip_max=hi)[1]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+    assert (grad[~mask] == 0).all() and torch.isfinite(grad).all()
+    assert 0 < clipped < 1 and stats["stale/clipped"].item() == pytest.approx(clipped, rel=1e-12)
+
+
+def test_a_fresh_group_is_grpo_loss_itself():
+    """Sampled by the policy before this update (pi_behav = pi_prox), the weight is 1 and nothing is clipped: the
+    decoupled objective is the plain clipped one, bitwise."""
+    logps, old, ref, adv, mask = make_batch(seed=42)
+    plain = loss_and_grad(grpo_loss, logps, old, ref, adv, mask, beta=0.1)
+    fresh = loss_and_grad(decoupled_loss, logps, old, ref, adv, mask, beta=0.1, sampler_logps=old)
+    assert torch.equal(plain[0], fresh[0]) and torch.equal(plain[1], fresh[1])
+    assert fresh[2]["stale/clipped"].item() == 0 and fresh[2]["sampler_correction/weight"].item() == 1
+
+
+def test_tis_is_decoupled_on_a_rollouts_first_step_and_not_after():
+    """On a rollout's first step the proximal policy is the policy itself: the two objectives agree. After a step
+    (pi_prox != pi) the decoupled one clips pi / pi_prox where TIS has no clip: they differ."""
+    logps, old, ref, adv, mask = make_batch(seed=43)
+    behav = sampler_of(old, seed=44)
+    kw = dict(sampler_logps=behav, sampler_correction_clip_max=1.2, beta=0.1)
+    tis = loss_and_grad(truncated_is_loss, logps, old, ref, adv, mask, **kw)
+    first = loss_and_grad(decoupled_loss, logps, logps.clone(), ref, adv, mask, **kw)
+    later = loss_and_grad(decoupled_loss, logps, old, ref, adv, mask, **kw)
+    torch.testing.assert_close(tis[:2], first[:2], rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(tis[1], later[1]) and later[2]["clip_ratio/region"] > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------

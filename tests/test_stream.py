@@ -1,0 +1,174 @@
+"""
+Training up to K policy versions behind (issue 57, items 2 and 3; lib/stream.py): the schedule (iteration it trains
+on the groups the policy sampled before iteration it - K, none dropped, none older), the K = 0 run is today's,
+bitwise, a stale run resumes bitwise, and each rollout is the one rollout.py draws for its iteration. The stale
+objectives themselves are checked against a float64 brute force in test_loss.py.
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from lib import parallelism, stream
+from test_exact import BASE, launch, max_diff, metric_lines, weights
+from test_faults import train_in_process
+
+TINY = BASE + ['--max_iters=6', '--num_iterations=2', '--loss_type=grpo', "--reward_funcs=('exact_match', 'overlong')"]
+
+
+def fake_rollouts(log):
+    """A sample function that records which iteration it drew and with which weights (log['weights'], what
+    the trainer bumps after each of its iterations)."""
+    def sample(it):
+        log['drawn'].append(it)
+        group = dict(prompt=[1, 2], tokens=torch.tensor([[it, log['weights']]]), rewards=torch.zeros(1))
+        return [group], dict(time=dict(generate=0.5, reward=0.25), dropped_groups=it % 3)
+    return sample
+
+
+@pytest.mark.parametrize('K', [1, 2, 4])
+def test_the_schedule_trains_k_versions_behind_and_drops_nothing(K):
+    log = dict(drawn=[], weights=0)
+    ahead = stream.Stream(fake_rollouts(log), max_staleness=K, seed=1, rank=0)
+    for it in range(10):
+        groups, info = ahead.take(it)
+        drawn_it, sampled_by = groups[0]['tokens'][0].tolist()
+        # iteration it's own groups, sampled by the weights as they were before iteration it - K
+        assert drawn_it == it and sampled_by == groups[0]['version'] == max(0, it - K)
+        assert info['stale'] == {'stale/mean': min(it, K), 'stale/max': min(it, K)}
+        log['weights'] += 1
+    # each iteration drawn once, in order, never more than K ahead of the one trained on
+    assert log['drawn'] == list(range(10 + K))
+
+
+def test_a_checkpoint_keeps_what_older_versions_sampled():
+    """tensors(it) holds the rollouts in flight that versions before it sampled, and they come back as they were;
+    the ones the saved weights sampled are drawn again, the same."""
+    log = dict(drawn=[], weights=0)
+    ahead = stream.Stream(fake_rollouts(log), max_staleness=3, seed=1, rank=0)
+    for it in range(5):
+        ahead.take(it)
+        log['weights'] += 1
+    saved = ahead.tensors(5)
+    assert sorted({int(k.split('.')[0]) for k in saved}) == [5, 6, 7]  # 8 was drawn by version 4: not kept
+    again = stream.Stream(fake_rollouts(dict(drawn=[], weights=5)), max_staleness=3, seed=1, rank=0,
+                          saved=saved)
+    for j in (5, 6, 7):
+        (a,), info_a = ahead.rollouts[j]
+        (b,), info_b = again.rollouts[j]
+        assert a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+        assert info_a == info_b
+    with pytest.raises(ValueError, match='resume with max_staleness >= 3'):
+        stream.Stream(None, max_staleness=2, seed=1, rank=0, saved=saved)
+
+
+def stale_keys(rows):
+    return [{k: v for k, v in r.items() if not k.startswith('stale/')} for r in rows]
+
+
+def test_k0_is_todays_run_bitwise(policy, tmp_path, monkeypatch):
+    """The default run never touches the stream (every entry point raises here), and max_staleness=0 with any
+    stale_correction is that run, bitwise: metrics and checkpoint."""
+    def untouched(*args, **kwargs):
+        raise AssertionError("the stream was used with max_staleness=0")
+    for name in ('Stream', 'objective', 'line', 'rollouts_of'):
+        monkeypatch.setattr(stream, name, untouched)
+    args = BASE + ['--max_iters=4', '--num_iterations=2', f'--init_from={policy}', '--sft_iters=0']
+    train_in_process(args + [f'--out_dir={tmp_path}/absent'])
+    train_in_process(args + ['--max_staleness=0', '--stale_correction=tis', f'--out_dir={tmp_path}/k0'])
+    absent, k0 = metric_lines(tmp_path / 'absent'), metric_lines(tmp_path / 'k0')
+    assert len(absent) == 4 and absent == k0 and not any(k.startswith('stale') for k in absent[0])
+    for file in ('model.safetensors', 'optimizer.safetensors'):
+        assert max_diff(weights(tmp_path / 'absent', file), weights(tmp_path / 'k0', file)) == 0
+    assert not any(f.startswith('stream') for f in os.listdir(tmp_path / 'k0' / 'ckpt-000004'))
+
+
+def test_each_rollout_is_todays_for_its_iteration(policy, tmp_path):
+    """With a learning rate far below float64's rounding of the weights every version is the same policy, so
+    K = 2 must sample exactly today's rollouts and learn exactly today's (no correction: the same loss): every
+    metric but the staleness is the K = 0 run's."""
+    args = TINY + [f'--init_from={policy}', '--learning_rate=1e-300', '--stale_correction=none']
+    launch([args + [f'--out_dir={tmp_path}/k0'], args + ['--max_staleness=2', f'--out_dir={tmp_path}/k2']],
+           tmp_path)
+    k0, k2 = metric_lines(tmp_path / 'k0'), metric_lines(tmp_path / 'k2')
+    assert [r['stale/mean'] for r in k2] == [r['stale/max'] for r in k2] == [0, 1, 2, 2, 2, 2]
+    assert k0 == stale_keys(k2) and len({r['reward'] for r in k0}) > 1
+
+
+@pytest.mark.parametrize('correction', ['decoupled', 'tis', 'none'])
+def test_stale_run_resumes_bitwise(policy, tmp_path, correction):
+    """6 iterations at K = 2 straight = 3, then resumed to 6: the rollouts in flight come back from the checkpoint
+    (sampled by older versions) or are drawn again (by the saved one): metrics, weights and optimizer state."""
+    # a tight bound on the weights, so that some are clipped in these few iterations
+    args = TINY + ['--max_staleness=2', f'--stale_correction={correction}', '--sampler_correction_clip_max=1.05']
+    launch([args + [f'--init_from={policy}', f'--out_dir={tmp_path}/straight'],
+            args + [f'--init_from={policy}', '--max_iters=3', f'--out_dir={tmp_path}/resumed'],
+            args + ['--init_from=resume', f'--out_dir={tmp_path}/resumed']], tmp_path)
+    for file in ('model.safetensors', 'optimizer.safetensors'):
+        assert max_diff(weights(tmp_path / 'straight', file), weights(tmp_path / 'resumed', file)) == 0
+    straight, resumed = metric_lines(tmp_path / 'straight'), metric_lines(tmp_path / 'resumed')
+    assert [r for r in straight if r['iter'] >= 3] == [r for r in resumed if r['iter'] >= 3]
+    assert [r['stale/max'] for r in straight] == [0, 1, 2, 2, 2, 2]
+    # Stale groups are off-policy: the gap between the sampler and the policy before the update grows, and the
+    # correction's weights of it get clipped. Without a correction the old log-probs are the sampler's own.
+    last = straight[-1]
+    if correction == 'none':
+        assert last['sampler/kl'] == 0 and 'stale/clipped' not in last
+    else:
+        assert last['sampler/kl'] > 1e-6 and last['stale/clipped'] > 0, last
+
+
+def test_a_stop_while_sampling_ahead_resumes_bitwise(policy, tmp_path, monkeypatch):
+    """SIGTERM while iteration 3 samples iteration 5's groups (cut short): the checkpoint before iteration 3 keeps
+    iterations 3 and 4's groups, not the cut ones, and the run resumed from it is the run never stopped."""
+    args = TINY + ['--max_staleness=2', f'--init_from={policy}', '--save_interval=0']
+    train_in_process(args + [f'--out_dir={tmp_path}/straight'])
+    monkeypatch.setitem(parallelism.asked, 'signal', 0)
+    real = stream.Stream.take
+
+    def take(self, it):
+        if it == 3:
+            parallelism.asked.update(signal=signal.SIGTERM, time=time.time())
+        return real(self, it)
+    monkeypatch.setattr(stream.Stream, 'take', take)
+    with pytest.raises(SystemExit) as e:
+        train_in_process(args + [f'--out_dir={tmp_path}/stopped'])
+    assert e.value.code == 128 + signal.SIGTERM
+    assert json.load(open(tmp_path / 'stopped' / 'latest')) == 'ckpt-000003'
+    monkeypatch.setattr(stream.Stream, 'take', real)
+    monkeypatch.setitem(parallelism.asked, 'signal', 0)
+    train_in_process(args + ['--init_from=resume', f'--out_dir={tmp_path}/stopped'])
+    assert max_diff(weights(tmp_path / 'straight'), weights(tmp_path / 'stopped')) == 0
+    assert metric_lines(tmp_path / 'straight') == metric_lines(tmp_path / 'stopped')
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
+def test_two_ranks_each_with_its_queue_resume_bitwise(policy, tmp_path):
+    """Under torchrun each rank streams its own prompts; a stop and resume on 2 ranks is the run never stopped,
+    and resuming on another number of ranks is refused in one line."""
+    from test_exact import TORCHRUN
+    args = TINY + ['--max_staleness=2', '--max_iters=4']
+    two = TORCHRUN + ['--standalone', '--nproc_per_node=2']
+    launch([args + [f'--init_from={policy}', f'--out_dir={tmp_path}/straight'],
+            args + [f'--init_from={policy}', '--max_iters=2', f'--out_dir={tmp_path}/resumed'],
+            args + ['--init_from=resume', f'--out_dir={tmp_path}/resumed']], tmp_path, two)
+    assert max_diff(weights(tmp_path / 'straight'), weights(tmp_path / 'resumed')) == 0
+    assert metric_lines(tmp_path / 'straight')[2:] == metric_lines(tmp_path / 'resumed')[2:]
+    p = launch([args + ['--init_from=resume', '--max_iters=6', f'--out_dir={tmp_path}/resumed']], tmp_path,
+               name='one.json', check=False)
+    assert p.returncode != 0 and 'resume it on as many (torchrun --nproc_per_node=2)' in p.stdout + p.stderr
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(max_staleness=-1), "max_staleness=-1 must be >= 0"),
+    (dict(stale_correction='is'), "unknown stale_correction 'is'; choose one of decoupled, tis, none")])
+def test_bad_stale_settings_are_refused_in_one_line(overrides, message, tmp_path):
+    from configurator import check_config, configure
+    from test_config import DEFAULTS
+    c = dict(configure(DEFAULTS, []), out_dir=str(tmp_path), **overrides)
+    with pytest.raises(ValueError, match=message):
+        check_config(c, world_size=1)
