@@ -7,12 +7,14 @@ its path and tokenizer, and runs with LoRA, DDP, multi-turn, resume and no rewar
 import itertools
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from loss import grpo_loss, reverse_kl_advantages  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 DT = torch.float64
 
@@ -114,3 +116,70 @@ def test_one_token_is_the_kl_of_one_distribution():
     loss, _ = grpo_loss(logp[:, None], None, None, logp.exp().detach()[:, None] * A,
                         torch.ones(3, 1), loss_type="luspo", num_sequences=1)
     torch.testing.assert_close(torch.autograd.grad(loss, z)[0], grad_kl, rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the teacher in the batch: its log-probs of the sampled tokens under the sampler's truncation, by hand
+
+def by_hand(model, row, start, temperature, top_k, top_p):
+    """log q(row[t] | row[:t]) for t >= start, q the truncated softmax at the temperature: the top_k likeliest, then
+    the fewest of those holding top_p of their mass (the sampled token kept always), from the model's logits."""
+    z = model.logits(torch.tensor([row]))[0].double() / temperature  # (T, V)
+    out = []
+    for t in range(start, len(row)):
+        p, order = torch.softmax(z[t - 1], -1).sort(descending=True)
+        keep = torch.zeros(len(p), dtype=torch.bool)
+        keep[:top_k or len(p)] = True
+        if top_p is not None:
+            kept = p * keep
+            keep &= kept.cumsum(0) - kept < top_p * kept.sum()
+        kept_ids = set(order[keep].tolist()) | {row[t]}
+        ids = torch.tensor(sorted(kept_ids))
+        out.append((z[t - 1, row[t]] - torch.logsumexp(z[t - 1, ids], 0)).item())
+    return out
+
+
+def settings(**kw):
+    """make_batch's settings (configurator.run_config's names), one rank on the CPU in float64."""
+    return SimpleNamespace(**{**dict(
+        num_generations=2, eos_ids=[0], redo_old_logps=False, mask_truncated_completions=False, kl_in_reward=False,
+        world_size=1, device='cpu', multi_objective_aggregation='sum_then_normalize', scale_rewards='none',
+        advantage_estimator='grpo', teacher_weight=0.7, teacher_discount=0.0, micro_batch_size=2, plain=False,
+        dtype='float64', autocast=False, ptdtype=torch.float64, temperature=1.0, logp_top_k=None, logp_top_p=None),
+        **kw})
+
+
+@pytest.mark.parametrize("top_k,top_p,temperature", [(None, None, 1.0), (5, None, 0.7), (None, 0.6, 1.3),
+                                                      (8, 0.5, 1.0)])
+def test_the_teacher_scores_each_sampled_token_as_sampling_truncates(top_k, top_p, temperature):
+    """make_batch with a teacher: each counted token's advantage is the group's plus teacher_weight x (log q_teacher
+    - the sampler's log-prob), q_teacher the teacher's distribution truncated as the sampler's was; an observation
+    (a multi-turn row's mask hole) and the padding get the group's alone, and info holds each row's reverse KL."""
+    from rollout import make_batch
+    torch.manual_seed(0)
+    student = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=40)).double()
+    teacher = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=24, block_size=32, vocab_size=48)).double()
+    g = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]]).bool()
+    tokens = torch.randint(1, 40, (4, 6), generator=g)
+    sampler = torch.where(mask, -3 * torch.rand(4, 6, generator=g, dtype=DT), 0.0)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=DT)
+    groups = [dict(prompt=prompt, tokens=tokens[k:k + 2], mask=mask[k:k + 2], logps=sampler[k:k + 2],
+                   rewards=rewards[k:k + 2], truncated=torch.zeros(2, dtype=torch.bool),
+                   scores=rewards[k:k + 2, None]) for k, prompt in ((0, [3, 4, 5]), (2, [6, 7]))]
+    cfg = settings(logp_top_k=top_k, logp_top_p=top_p, temperature=temperature)
+    info = dict(time={})
+    batch = make_batch(student, None, groups=groups, info=info, rank=0, cfg=cfg, reward_weights=[1.0],
+                       teacher=teacher)
+    group = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=DT)
+    for b, prompt in enumerate([[3, 4, 5]] * 2 + [[6, 7]] * 2):
+        n = int(mask[b].nonzero().max()) + 1
+        q = torch.tensor(by_hand(teacher, prompt + tokens[b, :n].tolist(), len(prompt), temperature, top_k, top_p),
+                         dtype=DT)
+        gap = torch.where(mask[b, :n], q - sampler[b, :n], 0.0)
+        want = group[b] + 0.7 * torch.cat([gap, torch.zeros(6 - n, dtype=DT)])
+        torch.testing.assert_close(batch['advantages'][b].double(), want, rtol=1e-6, atol=1e-6)
+        assert info['teacher_kl'][b].item() == pytest.approx(-gap.sum().item(), rel=1e-12, abs=1e-12)
+    assert batch['advantages'].shape == (4, 6) and info['time']['teacher'] > 0
+    assert 'teacher_kl' not in make_batch(student, None, groups=groups, info=dict(time={}), rank=0, cfg=cfg,
+                                          reward_weights=[1.0]).keys()
