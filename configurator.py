@@ -414,7 +414,8 @@ def check_teacher(config, enc, cfg):
         differs = _ids_differ(enc, get_tokenizer(own))
         _need(not differs,
               f"teacher='{cfg.teacher}' reads its own tokenizer ({own}), not "
-              f"the student's (tokenizer='{cfg.tokenizer}'): {differs}; "
+              f"the student's (tokenizer='{cfg.tokenizer}'); the student's "
+              f"against the teacher's: {differs}; "
               f"distil from a teacher that shares the student's tokenizer")
     try:
         check_fits(config, enc, cfg.tokenizer, cfg.block_size)

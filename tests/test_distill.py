@@ -17,6 +17,7 @@ from loss import grpo_loss, reverse_kl_advantages  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 DT = torch.float64
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures')
 
 
 def loop_advantages(logps, teacher, mask, discount):
@@ -183,3 +184,126 @@ def test_the_teacher_scores_each_sampled_token_as_sampling_truncates(top_k, top_
     assert batch['advantages'].shape == (4, 6) and info['time']['teacher'] > 0
     assert 'teacher_kl' not in make_batch(student, None, groups=groups, info=dict(time={}), rank=0, cfg=cfg,
                                           reward_weights=[1.0]).keys()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the settings: each mistake one line, before any work
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (dict(teacher='/no/such/dir'), 1, "teacher='/no/such/dir' is neither a Hugging Face checkpoint directory nor a "
+                                      ".gguf file"),
+    (dict(teacher=FIXTURES + '/tiny-qwen2-a', teacher_weight=0.0), 1, "teacher_weight=0.0 must be a positive number"),
+    (dict(teacher=FIXTURES + '/tiny-qwen2-a', teacher_discount=1.5), 1, "teacher_discount=1.5 must be in [0, 1]"),
+    (dict(teacher=FIXTURES + '/tiny-qwen2-a', teacher_dtype='float16'), 1, "unknown teacher_dtype 'float16'"),
+    (dict(teacher=FIXTURES + '/tiny-qwen2-a', parallel='fsdp'), 2, "a teacher is not sharded: parallel='fsdp'"),
+])
+def test_bad_teacher_settings(overrides, world, message, tmp_path):
+    from configurator import ConfigError, check_config, configure
+    from test_config import DEFAULTS
+    c = dict(configure(DEFAULTS, []), out_dir=str(tmp_path), **overrides)
+    with pytest.raises(ConfigError) as e:
+        check_config(c, world, distributed=world > 1)
+    assert message in str(e.value)
+
+
+def test_a_teacher_reads_the_student_s_ids_or_is_refused(tmp_path):
+    """check_teacher: the teacher's own tokenizer (the files beside its weights, its run's, else the byte
+    tokenizer) must give the student's ids, and what differs is said; the run must fit its positions."""
+    import json
+    import shutil
+    from configurator import ConfigError, check_teacher
+    from lib.tokenizer import get_tokenizer
+    bpe = os.path.join(FIXTURES, 'tiny-bpe-a', 'tokenizer.json')
+    teacher = shutil.copytree(os.path.join(FIXTURES, 'tiny-qwen2-a'), tmp_path / 'teacher')
+    config = GPT.from_pretrained(str(teacher)).config
+    check = lambda tokenizer, block_size=32: check_teacher(  # noqa: E731
+        config, get_tokenizer(tokenizer), SimpleNamespace(teacher=str(teacher), tokenizer=tokenizer,
+                                                          block_size=block_size))
+    check('bytes')  # no tokenizer of its own: the byte tokenizer's ids
+    with pytest.raises(ConfigError, match=r"reads its own tokenizer \(bytes\), not the student's "
+                                          r"\(tokenizer='.*tokenizer.json'\); the student's against the "
+                                          r"teacher's: 544 ids against 257"):
+        check(bpe)
+    # the tokenizer its run was trained with (trainer.json), the same ids under another path
+    (teacher / 'trainer.json').write_text(json.dumps(dict(config=dict(tokenizer=bpe))))
+    check(shutil.copy(bpe, str(tmp_path / 'copy.json')))
+    with pytest.raises(ConfigError, match="257 ids against 544"):
+        check('bytes')
+    # its own files: one special token renamed
+    (teacher / 'trainer.json').unlink()
+    spec = json.load(open(bpe))
+    spec['added_tokens'][-1]['content'] = '<|renamed|>'
+    (teacher / 'tokenizer.json').write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match=r"special tokens only one has: .*<\|renamed\|>"):
+        check(bpe)
+    (teacher / 'tokenizer.json').unlink()
+    with pytest.raises(ConfigError, match="teacher='.*': block_size=512 exceeds the model's 256"):
+        check('bytes', block_size=512)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py with a teacher: a student that learns from it, resume, DDP, LoRA, multi-turn
+
+@pytest.fixture(scope='module')
+def teacher(tmp_path_factory):
+    """A teacher that knows the task well (a long supervised warm start), the policy fixture's shape."""
+    from test_exact import BASE, launch
+    out = tmp_path_factory.mktemp('teacher')
+    launch([BASE + ['--sft_iters=300', '--sft_learning_rate=3e-3', '--sft_target_acc=0', '--max_iters=0',
+                    '--n_layer=2', '--n_head=2', '--n_embd=32', f'--out_dir={out}']], out)
+    return str(out / 'warmstart')
+
+
+def lines(out_dir):
+    import json
+    return [json.loads(line) for line in open(os.path.join(out_dir, 'metrics.jsonl'))]
+
+
+def test_a_student_learns_from_the_teacher_alone(policy, teacher, tmp_path):
+    """Pure distillation (the reward weighs 0): the reverse KL to the teacher falls as the student trains, and the
+    log line and metrics.jsonl carry it."""
+    from test_exact import BASE, launch
+    p = launch([BASE + [f'--init_from={policy}', f'--teacher={teacher}', "--reward_funcs=('exact_match',)",
+                        '--reward_weights=(0.0,)', '--prompts_per_step=16', '--micro_batch_size=16',
+                        '--warmup_iters=0', '--max_iters=40', '--save_interval=0', f'--out_dir={tmp_path}/s']],
+               tmp_path)
+    kl = [m['teacher/kl'] for m in lines(tmp_path / 's')]
+    assert sum(kl[-10:]) / 10 < 0.8 * sum(kl[:5]) / 5, kl
+    assert 'teacher kl ' in p.stdout
+
+
+@pytest.mark.parametrize('ranks', [1, 2])
+def test_resume_is_bitwise_and_ranks_agree_with_a_teacher(policy, teacher, tmp_path, ranks):
+    """4 iterations straight = 2, stop, resume, 2 more (the teacher frozen: nothing of it is saved); on 2 ranks an
+    iteration's update is the one on one rank, up to rounding (as tests/test_exact.py's split invariance)."""
+    from test_exact import BASE, TORCHRUN, launch, max_diff, metric_lines, weights
+    args = BASE + [f'--init_from={policy}', f'--teacher={teacher}', '--teacher_weight=0.5',
+                   '--teacher_discount=0.5', '--num_iterations=2', '--loss_type=grpo']
+    runs = [args + ['--max_iters=4', f'--out_dir={tmp_path}/straight'],
+            args + ['--max_iters=2', f'--out_dir={tmp_path}/resumed'],
+            args + ['--init_from=resume', '--max_iters=4', f'--out_dir={tmp_path}/resumed']]
+    launch(runs, tmp_path, TORCHRUN + ['--standalone', f'--nproc_per_node={ranks}'] if ranks > 1 else [sys.executable])
+    for file in ('model.safetensors', 'optimizer.safetensors'):
+        assert max_diff(weights(tmp_path / 'straight', file), weights(tmp_path / 'resumed', file)) == 0, file
+    straight, resumed = metric_lines(tmp_path / 'straight'), metric_lines(tmp_path / 'resumed')
+    assert [m for m in straight if m['iter'] >= 2] == [m for m in resumed if m['iter'] >= 2]  # the same rollouts
+    assert all(m['teacher/kl'] > 0 for m in straight)
+    if ranks > 1:
+        one_iteration = [args + ['--max_iters=1', f'--out_dir={tmp_path}/{n}'] for n in ('two', 'one')]
+        launch(one_iteration[:1], tmp_path, TORCHRUN + ['--standalone', '--nproc_per_node=2'], name='two.json')
+        launch(one_iteration[1:], tmp_path, name='one.json')
+        assert max_diff(weights(tmp_path / 'two'), weights(tmp_path / 'one')) <= 1e-10
+
+
+def test_lora_and_multi_turn_learn_from_a_teacher(policy, teacher, tmp_path):
+    """LoRA (the adapters move, the teacher is not the base) and multi-turn episodes (the observations in the mask's
+    holes carry no advantage: make_batch's test) run with a teacher and log its KL."""
+    from test_exact import BASE, MULTI_TURN, launch, weights
+    args = BASE + [f'--init_from={policy}', f'--teacher={teacher}', '--max_iters=2']
+    launch([args + ['--lora_rank=4', f'--out_dir={tmp_path}/lora'],
+            args + [*MULTI_TURN, f'--out_dir={tmp_path}/turns']], tmp_path)
+    adapter = weights(tmp_path / 'lora', 'adapter/adapter_model.safetensors')
+    assert max(v.abs().max().item() for k, v in adapter.items() if 'lora_B' in k) > 1e-4
+    for run in ('lora', 'turns'):
+        assert all(m['teacher/kl'] > 0 for m in lines(tmp_path / run)), run
+    assert all(m['env/calls'] > 0 for m in lines(tmp_path / 'turns'))  # episodes of more than one turn
