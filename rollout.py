@@ -26,8 +26,8 @@ from contextlib import nullcontext
 
 import torch
 
-from loss import (decoupled_advantages, entropy_threshold, group_advantages, kl_divergence,
-                  reverse_kl_advantages)
+from loss import (decoupled_advantages, entropy_threshold, group_advantages,
+                  kl_divergence, reverse_kl_advantages)
 from reward import compute_rewards
 from lib import multiturn, packing
 from lib.chat import encode_prompt, text_of
@@ -200,9 +200,10 @@ def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights, teache
     packed, the old log-probs redone where the sampler's are not the trainer's (cfg.redo_old_logps),
     the reference's, and advantages over every rank's groups. Adds to info, for the log, every
     rank's rewards, scores, completion lengths and truncated flags (and a multi-turn run's tool
-    calls and errors), and the seconds of this phase. With a teacher (on-policy distillation,
-    docs/distillation.md) its log-probs are taken as the reference's, each token's advantage gains
-    teacher_weight x loss.reverse_kl_advantages and info each row's reverse KL, summed.
+    calls and errors), and the seconds of this phase. With a teacher (on-policy
+    distillation, docs/distillation.md) its log-probs are taken as the reference's, each
+    token's advantage gains teacher_weight x loss.reverse_kl_advantages, and info each
+    row's reverse KL, summed.
     """
     G, device, since = cfg.num_generations, next(model.parameters()).device, time.perf_counter()
     cat = lambda key: torch.cat([group[key] for group in groups])
@@ -227,7 +228,8 @@ def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights, teache
         at = time.perf_counter()
         teacher_logps = logprobs(teacher, batch, cfg)
         info['time']['teacher'] = time.perf_counter() - at
-        teacher_kl = torch.where(batch['mask'], batch['old_logps'] - teacher_logps, 0.0).sum(1)
+        gap = batch['old_logps'] - teacher_logps
+        teacher_kl = torch.where(batch['mask'], gap, 0.0).sum(1)
     if cfg.mask_truncated_completions:
         # DAPO overlong filtering: a cut-off answer is neither right nor wrong.
         batch['mask'] = batch['mask'] & ~truncated.to(device)[:, None]
@@ -256,9 +258,10 @@ def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights, teache
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
     # on-policy distillation: each token's own advantage, the reward's plus the teacher's
     if teacher is not None:
-        distilled = reverse_kl_advantages(batch['old_logps'], teacher_logps, batch['mask'],
-                                          cfg.teacher_discount)
-        batch['advantages'] = batch['advantages'][:, None] + cfg.teacher_weight * distilled.float()
+        distilled = reverse_kl_advantages(batch['old_logps'], teacher_logps,
+                                          batch['mask'], cfg.teacher_discount)
+        batch['advantages'] = (batch['advantages'][:, None]
+                               + cfg.teacher_weight * distilled.float())
     info['time']['logprobs'] = time.perf_counter() - since
     return batch
 
@@ -301,7 +304,8 @@ def rollout_metrics(info, cfg, reward_fns, accuracy):
             metrics[key] = lengths[which].mean().item()
     # the reverse KL to a teacher per token, the policy's tokens of every rank
     if 'teacher_kl' in info:
-        metrics['teacher/kl'] = (info['teacher_kl'].sum() / info['lengths'].sum()).item()
+        kl = info['teacher_kl'].sum() / info['lengths'].sum()
+        metrics['teacher/kl'] = kl.item()
     # a multi-turn run's episodes
     if 'calls' in info:
         metrics.update(multiturn.metrics(info))
