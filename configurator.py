@@ -133,7 +133,8 @@ def check_config(c, world_size, distributed=False):
         dtype=('auto', 'float32', 'float64', 'bfloat16', 'float16'),
         parallel=('ddp', 'fsdp'), sandbox=('bwrap', 'none'),
         reward_model_dtype=('float32', 'bfloat16', 'float64'),
-        stale_correction=('decoupled', 'tis', 'none'))
+        stale_correction=('decoupled', 'tis', 'none'),
+        teacher_dtype=('float32', 'bfloat16', 'float64'))
     for key, valid in choices.items():
         if c[key] not in valid:
             raise unknown(key, c[key], valid)
@@ -233,6 +234,7 @@ def check_config(c, world_size, distributed=False):
           "rather than those of top_k/top_p's truncated distribution, but "
           "neither is set, so every log-prob is the full softmax's already: "
           "drop it")
+    check_distillation(c, distributed)
     check_loss(c)
     check_sampling(c['top_k'], c['top_p'])
     # a new run never deletes or appends to another's checkpoints and metrics
@@ -241,6 +243,26 @@ def check_config(c, world_size, distributed=False):
     _need(not held or c['init_from'] == 'resume' or c['overwrite'],
           f"out_dir='{c['out_dir']}' holds another run ({', '.join(held)}); "
           f"{resume}name another out_dir, or say overwrite=True to replace it")
+
+def check_distillation(c, distributed):
+    """On-policy distillation's settings (docs/distillation.md): a teacher that
+    exists, a weight and a discount that do something."""
+    teacher = c['teacher']
+    if not teacher:
+        return
+    _need(os.path.isdir(teacher)
+          or teacher.endswith('.gguf') and os.path.isfile(teacher),
+          f"teacher='{teacher}' is neither a Hugging Face checkpoint directory "
+          f"nor a .gguf file; give the teacher model's path, or '' for none")
+    _need(c['teacher_weight'] > 0 and math.isfinite(c['teacher_weight']),
+          f"teacher_weight={c['teacher_weight']} must be a positive number; "
+          f"teacher='' turns distillation off")
+    _need(0 <= c['teacher_discount'] <= 1,
+          f"teacher_discount={c['teacher_discount']} must be in [0, 1]")
+    _need(not distributed or c['parallel'] != 'fsdp',
+          "a teacher is not sharded: parallel='fsdp' would hold a whole copy "
+          "on every rank; use parallel='ddp' with a teacher")
+
 
 def check_loss(s):
     """Refuse loss settings that cannot work, one line naming the setting: s holds
@@ -336,15 +358,20 @@ def loss_settings():
 PROBE = "What is 7 times 8? The answer: 56.\n\tHello, world!"
 
 
-def _same_ids(a, b):
-    """Whether tokenizers a and b give the same ids: vocabulary, special tokens,
-    PROBE's."""
-    specials = sorted(a.special_tokens_set)
+def _ids_differ(a, b):
+    """What makes tokenizers a and b give other ids, in a few words, '' where
+    nothing does: the vocabulary's size, the special tokens, PROBE's ids."""
+    specials, theirs = (sorted(enc.special_tokens_set) for enc in (a, b))
     text = PROBE + "".join(specials)
     ids = lambda enc: enc.encode(text, allowed_special="all")
-    return (a.n_vocab == b.n_vocab
-            and specials == sorted(b.special_tokens_set)
-            and ids(a) == ids(b))
+    if a.n_vocab != b.n_vocab:
+        return f"{a.n_vocab} ids against {b.n_vocab}"
+    if specials != theirs:
+        only = sorted(set(specials) ^ set(theirs))
+        return f"special tokens only one has: {', '.join(only[:3])}"
+    if ids(a) != ids(b):
+        return f"{PROBE!r} encodes to other ids"
+    return ""
 
 
 def check_tokenizer(enc, tokenizer, init_from, state):
@@ -362,7 +389,7 @@ def check_tokenizer(enc, tokenizer, init_from, state):
             own, whose = init_from, f"init_from='{init_from}' comes with"
     if own and os.path.realpath(own) != os.path.realpath(tokenizer):
         theirs = get_tokenizer(own)
-        _need(_same_ids(enc, theirs),
+        _need(not _ids_differ(enc, theirs),
               f"{whose} its own tokenizer ({theirs.n_vocab} ids), but "
               f"tokenizer='{tokenizer}' is another ({enc.n_vocab} ids): "
               f"the model would read ids it never learnt; drop tokenizer= "
@@ -373,6 +400,28 @@ def check_tokenizer(enc, tokenizer, init_from, state):
           f"{max(eos or [0])}, which tokenizer '{tokenizer}' "
           f"({enc.n_vocab} ids) lacks; pick the tokenizer the model was "
           f"trained with")
+
+
+def check_teacher(config, enc, cfg):
+    """On-policy distillation's teacher (its GPTConfig) scores the student's
+    token ids: its own tokenizer (checkpoint.default_tokenizer's: a .gguf's, the
+    files beside its weights, the one its run of this project was trained with,
+    else the byte tokenizer's) must give the run's ids (enc), and the run must fit
+    in it."""
+    run = (checkpoint.read_json(os.path.join(cfg.teacher, 'trainer.json'))
+           if os.path.isdir(cfg.teacher) else None)
+    own = checkpoint.default_tokenizer(cfg.teacher, run)
+    if os.path.realpath(own) != os.path.realpath(cfg.tokenizer):
+        differs = _ids_differ(enc, get_tokenizer(own))
+        _need(not differs,
+              f"teacher='{cfg.teacher}' reads its own tokenizer ({own}), not "
+              f"the student's (tokenizer='{cfg.tokenizer}'); the student's "
+              f"against the teacher's: {differs}; "
+              f"distil from a teacher that shares the student's tokenizer")
+    try:
+        check_fits(config, enc, cfg.tokenizer, cfg.block_size)
+    except ConfigError as e:
+        raise ConfigError(f"teacher='{cfg.teacher}': {e}") from None
 
 
 def check_rewards(rows, cfg, enc, reward_fns, reward_weights):

@@ -10,7 +10,8 @@ functions here only refuse a name they do not know.
 
 Notation: completion i of a group of G, token t. logp = log pi_theta(token), old_logp
 from the policy that sampled (pi_old), ref_logp from the frozen reference, mask = 1 on
-tokens that count, A_i the advantage of completion i, r = exp(logp - old_logp).
+tokens that count, A_i the advantage of completion i (or A_t, one a token),
+r = exp(logp - old_logp).
 Everything here is a loss (the negated objective). Where each paper's equation lives:
 
   DeepSeekMath GRPO (Shao et al. 2024)
@@ -92,6 +93,14 @@ Everything here is a loss (the negated objective). Where each paper's equation l
   Truncated IS (Espeholt et al. 2018; TIS)
     sg(min(pi / pi_behav, C)) A grad log pi:    truncated_is_loss
     no proximal policy, no recompute            (stale_correction="tis")
+  On-policy distillation (GKD, Agarwal et al.
+  2024; Thinking Machines' tinker-cookbook,
+  2025)
+    A_t = -(log pi(y_t) - log pi_teacher(y_t))  reverse_kl_advantages, added to the
+    on the student's own samples, per token:    reward's advantage times
+    its expected policy gradient is the         teacher_weight; discount > 0 sums
+    reverse KL's, -grad KL(pi || pi_teacher)    the later tokens' too (tinker's
+    at the states the student visits            kl_discount_factor)
 
 Where the KL goes. The GRPO paper adds beta * KL to the loss, per token, instead of
 subtracting it from the reward as PPO for RLHF does. That keeps the advantage a pure
@@ -205,6 +214,33 @@ def decoupled_advantages(scores, weights, num_generations):
     return group_advantages(total, B, "group")
 
 
+def reverse_kl_advantages(logps, teacher_logps, mask, discount=0.0):
+    """
+    On-policy distillation (GKD, Agarwal et al. 2024; Thinking Machines' tinker-cookbook,
+    2025): the student samples, a frozen teacher scores each sampled token, and token t's
+    advantage is the negated sample of the reverse KL there,
+    A_t = -(log pi(y_t) - log pi_teacher(y_t)), (B, T), 0 where mask is 0. logps are the
+    student's own when it sampled (the sampler's, a constant: no gradient flows here).
+    Under the student's sampling, E[sum_t A_t grad log pi(y_t)] is
+    -grad sum_t KL(pi(.|y_<t) || pi_teacher(.|y_<t)), the KL of each step at the states
+    the student visits (discount=0, tinker's default). discount=1 adds every later
+    counted token's, sum_{s>=t} A_s: the expectation is then -grad KL(pi || pi_teacher)
+    of whole sequences, which also steers toward states where the teacher agrees; in
+    between, token s weighs discount^(s-t), s - t in positions.
+    """
+    valid = mask.bool()
+    # an observation's or padding's log-probs are no sample of the student's
+    gap = torch.where(valid, teacher_logps - logps, 0.0)  # (B, T)
+    if discount == 0:
+        return gap
+    # the discounted sum over the later tokens, from the last one back
+    out, later = torch.zeros_like(gap), torch.zeros_like(gap[:, 0])
+    for t in reversed(range(gap.shape[1])):
+        later = gap[:, t] + discount * later
+        out[:, t] = later
+    return torch.where(valid, out, 0.0)
+
+
 def entropy_threshold(entropy, mask, quantile):
     """
     Beyond the 80/20 rule: the entropy at or above which a token is among the top
@@ -258,7 +294,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *,
     The loss of one micro-batch in four stages: the ratio, the policy term on it, the KL
     to the reference, then the aggregation over tokens.
 
-    logps, old_logps, ref_logps, mask: (B, T); advantages: (B,). old_logps=None means
+    logps, old_logps, ref_logps, mask: (B, T); advantages: (B,), one a sequence, or
+    (B, T), one a token (on-policy distillation's). old_logps=None means
     on-policy (a single update per batch of rollouts); ref_logps may be None only when
     beta == 0. mask may be bool or float (nonzero counts). For surrogate="cispo",
     epsilon_high is the absolute cap on the IS weight (e.g. 5.0), not 1 + eps.
@@ -280,14 +317,15 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *,
     (MAX_STATS) are this micro-batch's own.
     """
     B, T = logps.shape
-    if mask.shape != logps.shape or advantages.shape != (B,):
+    if mask.shape != logps.shape or advantages.shape not in ((B,), (B, T)):
         raise ValueError(f"shapes do not match: logps {tuple(logps.shape)}, "
                          f"mask {tuple(mask.shape)}, "
                          f"advantages {tuple(advantages.shape)}; "
-                         f"expected (B, T), (B, T), (B,)")
+                         f"expected (B, T), (B, T), (B,) or (B, T)")
     valid = mask.bool()  # (B, T)
     lengths = valid.sum(-1)  # (B,)
-    A = advantages[:, None]  # (B, 1)
+    # (B, 1) or (B, T): every term below broadcasts it over the tokens
+    A = advantages[:, None] if advantages.dim() == 1 else advantages
 
     # 1. The ratio. On-policy, old_logp is logp itself with the gradient cut, so r is
     # exactly 1 in value (the clip never fires) while grad r = grad logp: the plain
@@ -392,7 +430,7 @@ def clipped_surrogate(ratio, A, epsilon_low, epsilon_high, delta=None):
     PPO's clipped surrogate as GRPO (Shao et al. 2024) uses it,
     -min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A), with DAPO's clip-higher
     (Yu et al. 2025: epsilon_high above epsilon_low) and the dual clip (Ye et al. 2020;
-    verl's clip_ratio_c): with A < 0 the ratio is capped at delta. A: (B, 1) advantages.
+    verl's clip_ratio_c): with A < 0 the ratio is capped at delta. A: (B, 1) or (B, T).
     """
     # delta caps the ratio the min can pick; with delta > 1 + epsilon_high it only
     # binds for A < 0, where a stale token with a huge ratio would otherwise get an
@@ -423,7 +461,7 @@ def sapo_surrogate(ratio, A, temperature_pos, temperature_neg):
     off a cliff: nothing is clipped.
     """
     tau = torch.where(A > 0, A.new_tensor(temperature_pos),
-                      A.new_tensor(temperature_neg))  # (B, 1)
+                      A.new_tensor(temperature_neg))  # A's shape
     per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A
     no_clip = torch.zeros_like(ratio, dtype=torch.bool)
     return per_token, no_clip, no_clip
@@ -438,12 +476,12 @@ def vespo_surrogate(token_log_ratio, A, logps, k_pos, lambda_pos, k_neg, lambda_
     """
     log_w = (token_log_ratio.clamp(-20, 20).sum(-1, keepdim=True)
              .clamp(math.log(1e-8), 20).detach())
-    k = torch.where(A >= 0, A.new_tensor(k_pos), A.new_tensor(k_neg))  # (B, 1)
+    k = torch.where(A >= 0, A.new_tensor(k_pos), A.new_tensor(k_neg))  # A's shape
     lam = torch.where(A >= 0, A.new_tensor(lambda_pos),
-                      A.new_tensor(lambda_neg))  # (B, 1)
+                      A.new_tensor(lambda_neg))  # A's shape
     # a weight that overflows is a sequence too far off to learn from: 0, not inf or NaN
     phi = (torch.exp(lam + k * log_w - lam * log_w.exp())
-           .nan_to_num(0.0, 0.0, 0.0))  # (B, 1)
+           .nan_to_num(0.0, 0.0, 0.0))  # A's shape
     per_token = -phi * A * logps
     no_clip = torch.zeros_like(logps, dtype=torch.bool)
     return per_token, no_clip, no_clip
@@ -478,7 +516,8 @@ def off_policy_mask(sampler_logps, logps, valid, A, threshold):
     """
     DeepSeek-V3.2 (2025, eq. 9): a sequence with A < 0 whose mean log(pi_sampler / pi)
     over its tokens exceeds threshold is dropped, since a stale negative sample teaches
-    the wrong lesson. Returns (B, 1) bool, True for a dropped sequence.
+    the wrong lesson. Returns (B, 1) bool, True for a dropped sequence; with per-token
+    advantages (B, T), True on its tokens with A_t < 0.
     """
     drift = _mean_std(sampler_logps - logps.detach(), valid)[0]  # (B, 1)
     return (A < 0) & (drift > threshold)

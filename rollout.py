@@ -16,7 +16,7 @@ What comes back holds, per completion row:
                           old_logps were redone (see rollout: autocast, or the full
                           softmax with top-k/top-p)
     ref_logps  (B, C)  log-probs under the frozen reference model, only when beta > 0
-    advantages (B,)
+    advantages (B,), or (B, C) with a teacher: on-policy distillation's, one a token
 
 Randomness is per prompt, not per rank: prompt j of iteration `it` is sampled from
 its own generator seeded by (seed, it, j). So a prompt gets the same completions
@@ -29,7 +29,7 @@ from contextlib import nullcontext
 import torch
 
 from loss import (decoupled_advantages, entropy_threshold, group_advantages,
-                  kl_divergence)
+                  kl_divergence, reverse_kl_advantages)
 from reward import compute_rewards
 from lib import multiturn, packing
 from lib.chat import encode_prompt, text_of
@@ -226,14 +226,17 @@ def rollout(model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
         rows = extra_rows(train_rows, want - len(kept), it, rank, rounds, cfg)
 
 
-def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights):
+def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights, teacher=None):
     """
     The batch the loss needs (the module docstring) from rollout's groups, on the
     model's device: packed, the old log-probs redone where the sampler's are not the
     trainer's (cfg.redo_old_logps), the reference's, and advantages over every
     rank's groups. Adds to info, for the log, every rank's rewards, scores,
     completion lengths and truncated flags (and a multi-turn run's tool calls and
-    errors), and the seconds of this phase.
+    errors), and the seconds of this phase. With a teacher (on-policy distillation,
+    docs/distillation.md) its log-probs are taken as the reference's, each token's
+    advantage gains teacher_weight x loss.reverse_kl_advantages, and info each row's
+    reverse KL, summed.
     """
     G, device, since = (cfg.num_generations, next(model.parameters()).device,
                         time.perf_counter())
@@ -254,6 +257,13 @@ def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights):
     if ref_model is not None:
         with adapters_off(model) if ref_model is model else nullcontext():
             batch['ref_logps'] = logprobs(ref_model, batch, cfg)
+    # on-policy distillation: the teacher's log-probs of the sampled tokens, timed apart
+    if teacher is not None:
+        at = time.perf_counter()
+        teacher_logps = logprobs(teacher, batch, cfg)
+        info['time']['teacher'] = time.perf_counter() - at
+        gap = batch['old_logps'] - teacher_logps
+        teacher_kl = torch.where(batch['mask'], gap, 0.0).sum(1)
     if cfg.mask_truncated_completions:
         # DAPO overlong filtering: a cut-off answer is neither right nor wrong.
         batch['mask'] = batch['mask'] & ~truncated.to(device)[:, None]
@@ -266,9 +276,11 @@ def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights):
     # Every rank's rows, this one's among them in rank order, in one gather: the
     # advantages compare groups across ranks (so 'batch' std scaling is the same on
     # any layout), and the log counts every row.
+    teacher_kls = {'teacher_kl': teacher_kl.cpu()} if teacher is not None else {}
     columns = dict(shaped=shaped, rewards=rewards, lengths=mask.sum(1),
                    truncated=truncated,
-                   **{k: cat(k) for k in ('calls', 'errors') if k in groups[0]})
+                   **{k: cat(k) for k in ('calls', 'errors') if k in groups[0]},
+                   **teacher_kls)
     mine = torch.cat([torch.stack([v.double() for v in columns.values()], 1),
                       cat('scores')], 1)
     everyone = (gather(mine.to(cfg.device)).cpu() if cfg.world_size > 1
@@ -283,6 +295,12 @@ def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights):
                                       cfg.advantage_estimator)
     B = len(shaped)
     batch['advantages'] = advantages[rank * B:(rank + 1) * B].float().to(device)
+    # on-policy distillation: each token's own advantage, the reward's plus the teacher's
+    if teacher is not None:
+        distilled = reverse_kl_advantages(batch['old_logps'], teacher_logps,
+                                          batch['mask'], cfg.teacher_discount)
+        batch['advantages'] = (batch['advantages'][:, None]
+                               + cfg.teacher_weight * distilled.float())
     info['time']['logprobs'] = time.perf_counter() - since
     return batch
 
@@ -327,6 +345,10 @@ def rollout_metrics(info, cfg, reward_fns, accuracy):
     for key, which in (('len_correct', correct), ('len_wrong', ~correct)):
         if which.any():
             metrics[key] = lengths[which].mean().item()
+    # the reverse KL to a teacher per token, the policy's tokens of every rank
+    if 'teacher_kl' in info:
+        kl = info['teacher_kl'].sum() / info['lengths'].sum()
+        metrics['teacher/kl'] = kl.item()
     # a multi-turn run's episodes
     if 'calls' in info:
         metrics.update(multiturn.metrics(info))

@@ -21,7 +21,8 @@ import torch
 from torch.nn.utils import clip_grad_norm_
 
 from configurator import (check_config, check_device, check_fits, check_rewards,
-                          check_tokenizer, configure, one_line_errors, run_config)
+                          check_teacher, check_tokenizer, configure, one_line_errors,
+                          run_config)
 from data import load_task
 from evaluate import evaluate, report, with_accuracy
 from loss import MAX_STATS, grpo_loss
@@ -65,6 +66,11 @@ reward_model_dtype = 'float32'  # their weights' dtype: 'float32', 'bfloat16' or
 judge_prompt = ''  # a judge's question with {prompt}, {completion} (reward_model.YES_NO)
 judge_tokens = ('Yes', 'No')  # a judge's reward: P(first) / P(both); numbers: their mean
 reward_clip = 0.0  # > 0: a reward model's scores clipped to [-reward_clip, reward_clip]
+# on-policy distillation (docs/distillation.md): a frozen teacher scores every token
+teacher = ''  # a Hugging Face dir or a .gguf of the student's tokenizer; '' = off
+teacher_dtype = 'float32'  # its weights' dtype: 'float32', 'bfloat16' or 'float64'
+teacher_weight = 1.0  # A_t = the reward's + this x (log pi_teacher - log pi)(y_t)
+teacher_discount = 0.0  # 1: A_t sums the later tokens' too (the sequences' KL)
 # model, when init_from='scratch'
 n_layer, n_head, n_embd, block_size = 4, 4, 128, 64
 vocab_size = 0  # 0 = the tokenizer's; more pads the output layer (nanoGPT's 50304)
@@ -202,6 +208,12 @@ if lora_rank:
 bf16 = device_type == 'cuda' and dtype == 'bfloat16'
 model, raw_model = parallelism.wrap(model, device=device, fsdp=fsdp, bf16=bf16,
                                     compile=compile, cuda_graphs=cuda_graphs)
+# on-policy distillation's teacher: frozen, in its own dtype, a whole copy on each rank
+teacher_model = None
+if teacher:
+    teacher_model = GPT.from_pretrained(teacher, dtype=getattr(torch, teacher_dtype))
+    check_teacher(teacher_model.config, enc, cfg)
+    teacher_model.to(device).eval().requires_grad_(False)
 
 
 def make_optimizer(lr):
@@ -357,7 +369,7 @@ for it in range(iter_start, max_iters + 1):
             # those sampled K versions ago, after this version's are sampled ahead
             groups, info = ahead.take(it)
         batch = make_batch(raw_model, ref_model, groups=groups, info=info, rank=rank,
-                           cfg=cfg, reward_weights=reward_weights)
+                           cfg=cfg, reward_weights=reward_weights, teacher=teacher_model)
     t1 = time.perf_counter()
     # the rollout is the long part; resume redoes it exactly
     stop_if_signalled(it)

@@ -201,6 +201,7 @@ def iteration_line(m, *, max_iters, eta, reward_fns):
     return (f"iter {m['iter']}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}"
             f"{others} | flat {m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc "
             f"{m['truncated']:.2f} | kl {m['kl']:.4f} | entropy {m['entropy']:.2f} | clip {m['clip_ratio/region']:.3f}"
+            + (f" | teacher kl {m['teacher/kl']:.3f}" if 'teacher/kl' in m else "") +
             f" | sampler gap {m['sampler/logp_diff']:.1e} kl {m['sampler/kl']:.1e}"
             f" | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} | rollout {m['rollout_tok_s']:.0f} tok/s | train "
             f"{m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | {m['dt']:.2f}s | eta {hms(eta)}" +

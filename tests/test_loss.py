@@ -69,22 +69,22 @@ def reference_loss(logps, old, ref, adv, mask, loss_type="grpo", beta=0.0, eps_l
     loss = logps.sum() * 0  # keeps the graph connected even when every term is a constant
     kls, lows, highs, ratios, entropies, dropped, weights = [], [], [], [], [], [], []
     for i, toks in enumerate(rows):
-        A = adv[i].item()
         olds = [logps[i, t].detach() if old is None else old[i, t] for t in toks]
         samplers = [o.item() if sampler is None else sampler[i, t].item() for t, o in zip(toks, olds)]
         if level == "sequence" and toks:  # GSPO: s_i = exp(mean_t log(pi / pi_old)), differentiated through
             s = torch.exp(sum(logps[i, t] - o for t, o in zip(toks, olds)) / len(toks))
-        # DeepSeek-V3.2 eq. 9: a negative sample the sampler drew from a policy that drifted too far is left out
-        drop = off_policy is not None and A < 0 and toks and \
-            sum(sp - logps[i, t].item() for t, sp in zip(toks, samplers)) / len(toks) > off_policy
+        drift = sum(sp - logps[i, t].item() for t, sp in zip(toks, samplers)) / max(len(toks), 1)
         # VESPO: w = prod_t pi / pi_old (each log-ratio clamped to +-20, the sum to [log 1e-8, 20]), a plain float
         log_w = min(max(sum(min(max(logps[i, t].item() - o.item(), -20), 20) for t, o in zip(toks, olds)),
                         math.log(1e-8)), 20)
-        k, lam = vespo_pos if A >= 0 else vespo_neg
-        phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
         seq_rho = math.exp(sum(o.item() - sp for o, sp in zip(olds, samplers)))  # prod_t pi_old / pi_sampler
         token_sum = 0.0
         for t, o, sp in zip(toks, olds, samplers):
+            A = (adv[i, t] if adv.dim() == 2 else adv[i]).item()  # the sequence's, or the token's own
+            # DeepSeek-V3.2 eq. 9: a negative sample the sampler drew from a policy that drifted too far is left out
+            drop = off_policy is not None and A < 0 and drift > off_policy
+            k, lam = vespo_pos if A >= 0 else vespo_neg
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
             r = torch.exp(logps[i, t] - o)
             if level == "sequence":  # GSPO-token (sec. 4.3): the same gradient, unless tokens are weighted unequally
                 r = s.detach() * torch.exp(logps[i, t] - logps[i, t].detach()) if gspo_token else s
@@ -242,6 +242,56 @@ def test_second_wave_matches_brute_force(name, ours, reference, loss_type, level
     check_against_reference(logps, old, ref, adv, mask, dict(common, importance_sampling_level=level, epsilon_high=0.28,
                             sampler_logps=sampler, **ours), dict(common, level=level, eps_high=0.28, sampler=sampler,
                                                                  gspo_token=True, **reference))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per-token advantages (on-policy distillation's): (B, T) instead of (B,), through every setting
+
+def token_advantages(adv, mask, seed):
+    """(B, T) advantages: each sequence's plus a token's own of either sign, so that the sign flips within a row;
+    large garbage on padding, which must not reach the loss or its gradient."""
+    g = torch.Generator().manual_seed(seed)
+    per_token = adv[:, None] + torch.randn(mask.shape, generator=g, dtype=DT)
+    return torch.where(mask, per_token, 50.0)
+
+
+FIRST_WAVE = [(f"{surrogate} delta={delta}", dict(surrogate=surrogate, delta=delta, epsilon_low=low, epsilon_high=high),
+               dict(surrogate=surrogate, delta=delta, eps_low=low, eps_high=high))
+              for surrogate, delta, low, high in CLIP_SETTINGS]
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("name,ours,reference", FIRST_WAVE + KNOBS, ids=[k[0] for k in FIRST_WAVE + KNOBS])
+def test_per_token_advantages_match_brute_force(name, ours, reference, loss_type, level, on_policy):
+    """The brute force with A_it in place of A_i: each token's own sign picks its clip side, SAPO temperature,
+    VESPO shape and whether the off-policy mask drops it; GSPO-token weighs each token by its own advantage."""
+    logps, old, ref, adv, mask = make_batch(seed=30)
+    adv = token_advantages(adv, mask, seed=31)
+    sampler = sampler_of(old, seed=32)
+    old = None if on_policy else old
+    common = dict(loss_type=loss_type, beta=0.05)
+    ours = dict(dict(common, importance_sampling_level=level, sampler_logps=sampler, delta=1.5,
+                     epsilon_high=0.28), **ours)
+    reference = dict(dict(common, level=level, sampler=sampler, gspo_token=True, delta=1.5, eps_high=0.28),
+                     **reference)
+    check_against_reference(logps, old, ref, adv, mask, ours, reference)
+
+
+@pytest.mark.parametrize("name,knobs", [k[:2] for k in FIRST_WAVE + KNOBS])
+def test_sequence_advantages_are_token_advantages_repeated(name, knobs):
+    """An advantage A_i (B,) and the same A_i on each of its tokens (B, T): bitwise the same loss, gradient and
+    stats, on every loss type and level."""
+    logps, old, ref, adv, mask = make_batch(seed=33)
+    sampler = sampler_of(old, seed=34)
+    for loss_type, level in itertools.product(LOSS_TYPES, ("token", "sequence")):
+        kw = dict(dict(loss_type=loss_type, importance_sampling_level=level, beta=0.05, sampler_logps=sampler),
+                  **knobs)
+        a = loss_and_grad(ours_with_entropy, logps, old, ref, adv, mask, **kw)
+        b = loss_and_grad(ours_with_entropy, logps, old, ref, adv[:, None].expand(mask.shape), mask, **kw)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (loss_type, level)
+        assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][k], b[2][k]) for k in a[2])
 
 
 @pytest.mark.parametrize("name,knobs", [("first wave", {})] + [k[:2] for k in KNOBS])
@@ -756,6 +806,8 @@ def test_bad_input_is_a_clear_error():
         grpo_loss(logps, old, None, adv, mask, beta=0.1)
     with pytest.raises(ValueError, match="shapes"):
         grpo_loss(logps, old, None, adv[:-1], mask)
+    with pytest.raises(ValueError, match=r"\(B,\) or \(B, T\)"):
+        grpo_loss(logps, old, None, torch.zeros(mask.shape[0], mask.shape[1] + 1, dtype=DT), mask)
     with pytest.raises(ValueError, match="multiple"):
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="group, batch, none"):
