@@ -82,11 +82,11 @@ def exact_kls(student, teacher, seqs, mask):
     return sequence_kl, (p.detach() * torch.where(mask, step_kl, 0.0).sum(-1)).sum()
 
 
-@pytest.mark.parametrize("loss_type", ["dr_grpo", "luspo", "dapo"])
-def test_the_policy_gradient_is_the_reverse_kl_s(loss_type):
-    """E over the student's samples of sum_t A_t grad log pi(y_t), through grpo_loss (each sequence weighed by its
-    probability, as the sampler would draw it), is -grad of the reverse KL: of each step's at the states the student
-    visits with discount=0, of whole sequences with discount=1; and the two differ, so neither passes by chance."""
+def reverse_kl_gradients(advantages, loss_type):
+    """{discount: (E over the student's samples of sum_t A_t grad log pi(y_t) through grpo_loss, each sequence
+    weighed by its probability as the sampler would draw it, with A = advantages(logps, teacher_logps, mask,
+    discount); -grad of the reverse KL it should be)} for discount 0 (the KL of each step at the states the student
+    visits) and 1 (of whole sequences). tests/test_lessons.py checks a student's advantages with it too."""
     g = torch.Generator().manual_seed(1)
     student = torch.randn(len(PREFIXES), V, generator=g, dtype=DT).requires_grad_(True)
     teacher = torch.randn(len(PREFIXES), V, generator=g, dtype=DT)
@@ -99,12 +99,23 @@ def test_the_policy_gradient_is_the_reverse_kl_s(loss_type):
     logq = table_logps(teacher, seqs)[0]
     p = torch.where(mask, logp, 0.0).sum(-1).exp().detach()  # (N,)
     counts = dict(num_sequences=1, max_completion_length=1, num_tokens=1)
+    out = {}
     for discount, grad_kl in want.items():
         # the sampler's log-probs: constants
-        A = reverse_kl_advantages(logp.detach(), logq, mask, discount)
+        A = advantages(logp.detach(), logq, mask, discount)
         loss, _ = grpo_loss(logp, None, None, p[:, None] * A, mask, loss_type=loss_type, **counts)
-        torch.testing.assert_close(grad(loss), grad_kl, rtol=1e-10, atol=1e-12)
-    assert (want[1.0] - want[0.0]).abs().max() > 1e-3
+        out[discount] = grad(loss), grad_kl
+    return out
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "luspo", "dapo"])
+def test_the_policy_gradient_is_the_reverse_kl_s(loss_type):
+    """The expected policy gradient is -grad of the reverse KL, of each step's with discount=0, of whole
+    sequences' with discount=1; and the two differ, so neither passes by chance."""
+    gradients = reverse_kl_gradients(reverse_kl_advantages, loss_type)
+    for got, want in gradients.values():
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert (gradients[1.0][1] - gradients[0.0][1]).abs().max() > 1e-3
 
 
 def test_one_token_is_the_kl_of_one_distribution():
