@@ -1,11 +1,13 @@
 """
-docs/distillation.md's figures: held-out greedy accuracy against iterations and against the training's wall time,
-and the reverse KL to the teacher per token, of several runs (needs matplotlib, as scripts/plot.py).
+docs/distillation.md's figures, of several runs: held-out greedy accuracy against iterations
+and against the training's wall time, and the reverse KL to the teacher per token (needs
+matplotlib, as scripts/plot.py does).
 
-$ python scripts/plot_distill.py assets/distill_toy.png reward=out-reward distill=out-distill ...
-Each NAME=OUT_DIR is a run of train.py (its metrics.jsonl). The wall time is the sum of the iterations' `dt`
-(sampling, the teacher's forward, the update) up to each evaluation: the evaluations' own time is left out, as
-it is the same for every run.
+$ python scripts/plot_distill.py assets/distill_toy.png reward=out-reward teacher=out-distill
+
+Each NAME=OUT_DIR is a run of train.py (its metrics.jsonl). The wall time is the sum of the
+iterations' `dt` (sampling, the teacher's forward, the update) up to each evaluation: the
+evaluations' own time is left out, as it is the same for every run.
 """
 import os
 import sys
@@ -15,8 +17,8 @@ from scripts.plot import read  # noqa: E402
 
 
 def curves(out_dir):
-    """(iterations, minutes of training, greedy accuracy) at each evaluation; (iterations, teacher kl) of the
-    iterations that logged one."""
+    """(iterations, minutes of training, greedy accuracy) at each evaluation; (iteration,
+    teacher kl) of the iterations that logged one, averaged over tenths of the run."""
     train, evals = read(out_dir)
     minutes, total = {0: 0.0}, 0.0
     for r in train:

@@ -83,10 +83,11 @@ def exact_kls(student, teacher, seqs, mask):
 
 
 def reverse_kl_gradients(advantages, loss_type):
-    """{discount: (E over the student's samples of sum_t A_t grad log pi(y_t) through grpo_loss, each sequence
-    weighed by its probability as the sampler would draw it, with A = advantages(logps, teacher_logps, mask,
-    discount); -grad of the reverse KL it should be)} for discount 0 (the KL of each step at the states the student
-    visits) and 1 (of whole sequences). tests/test_lessons.py checks a student's advantages with it too."""
+    """{discount: (got, want)} for discount 0 and 1. got: E over the student's samples of
+    sum_t A_t grad log pi(y_t) through grpo_loss, each sequence weighed by its probability
+    as the sampler would draw it, A = advantages(logps, teacher_logps, mask, discount).
+    want: -grad of the reverse KL, of each step's at the states the student visits (0) or
+    of whole sequences' (1). tests/test_lessons.py checks a student's advantages with it."""
     g = torch.Generator().manual_seed(1)
     student = torch.randn(len(PREFIXES), V, generator=g, dtype=DT).requires_grad_(True)
     teacher = torch.randn(len(PREFIXES), V, generator=g, dtype=DT)
@@ -110,8 +111,9 @@ def reverse_kl_gradients(advantages, loss_type):
 
 @pytest.mark.parametrize("loss_type", ["dr_grpo", "luspo", "dapo"])
 def test_the_policy_gradient_is_the_reverse_kl_s(loss_type):
-    """The expected policy gradient is -grad of the reverse KL, of each step's with discount=0, of whole
-    sequences' with discount=1; and the two differ, so neither passes by chance."""
+    """The expected policy gradient is -grad of the reverse KL, of each step's with
+    discount=0, of whole sequences' with discount=1; the two differ, so neither passes by
+    chance."""
     gradients = reverse_kl_gradients(reverse_kl_advantages, loss_type)
     for got, want in gradients.values():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -6,7 +6,8 @@ working as the code moves. Also: the reading path's links resolve, the names it 
 quotes is still in the source.
 
 LESSONS_CHECK=mine runs the exercise checks on the working tree as it is instead (a student's own answers to
-exercises 1-3 and 6: loss.py, length_penalty.py at the repository root, data.py); exercise 5's checks then skip.
+exercises 1-3 and 6: loss.py, length_penalty.py at the repository root, data.py); exercise 5's
+checks then skip.
 """
 import importlib.util
 import itertools
@@ -379,9 +380,10 @@ def test_per_micro_batch_tokens_is_caught_by_train_py(tmp_path):
     assert gap(weights("broken", 4), weights("broken", 16)) > 1e-6  # four: not any more
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# exercise 6: the reverse-KL advantage. Its solution is loss.py as it is: the exercise's patch removes the body, so
-# the checks read the working tree either way (with LESSONS_CHECK=mine, a student's own body).
+# --------------------------------------------------------------------------------------------------
+# exercise 6: the reverse-KL advantage. Its solution is loss.py as it is: the exercise's patch
+# removes the body, so the checks read the working tree either way (with LESSONS_CHECK=mine, a
+# student's own body).
 
 @pytest.fixture(scope="module")
 def distill_advantages():
@@ -394,11 +396,13 @@ def test_distill_advantages_match_a_loop(distill_advantages, discount):
     g = torch.Generator().manual_seed(6)
     mask = torch.rand(5, 9, generator=g) < 0.6
     mask[2], mask[3, 4:] = False, True  # a row with no counted token, one with a run of them
-    # holes hold what no sample of the student's would: infinities too, which a product by the mask makes NaN
+    # holes hold what no sample of the student's would: infinities too, which a product by the
+    # mask makes NaN
     logps = torch.where(mask, -3 * torch.rand(5, 9, generator=g, dtype=DT), -math.inf)
     teacher = torch.where(mask, -3 * torch.rand(5, 9, generator=g, dtype=DT), math.inf)
     got = distill_advantages(logps, teacher, mask, discount)
-    torch.testing.assert_close(got, loop_advantages(logps, teacher, mask, discount), rtol=1e-12, atol=1e-12)
+    want = loop_advantages(logps, teacher, mask, discount)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_distill_advantages_give_minus_the_kl_s_gradient(distill_advantages):
@@ -409,13 +413,15 @@ def test_distill_advantages_give_minus_the_kl_s_gradient(distill_advantages):
 
 @mine_skip
 def test_the_sixth_exercise_starts_from_an_empty_body(tmp_path):
-    """The exercise's patch leaves the docstring alone: the function returns None and the page's check fails."""
+    """The exercise's patch leaves the docstring alone: the function returns None and the
+    page's check fails, on this exercise's tests."""
     directory = student_copy(tmp_path / "student")
     apply("reverse_kl_exercise.patch", directory)
-    mask = torch.ones(1, 2, dtype=torch.bool)
-    assert load(directory, "loss").reverse_kl_advantages(torch.zeros(1, 2), torch.zeros(1, 2), mask) is None
+    zeros, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    assert load(directory, "loss").reverse_kl_advantages(zeros, zeros, mask) is None
     code, ran, out = run_check(directory, checks()["distill"])
-    assert code == 1 and ran and all(t.startswith("tests/test_lessons.py::test_distill_") for t in ran), out
+    ours = all(t.startswith("tests/test_lessons.py::test_distill_") for t in ran)
+    assert code == 1 and ran and ours, out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -494,7 +500,8 @@ ANSWERS = {
                 lambda d: wrong(os.path.join(d, "data.py"), '"answer": word[::-1]', '"answer": word')),
     # the code as it is answers exercise 6; the spoilt one has the gap's sign the wrong way round
     "distill": (lambda d: None,
-                lambda d: wrong(os.path.join(d, "loss.py"), "teacher_logps - logps", "logps - teacher_logps")),
+                lambda d: wrong(os.path.join(d, "loss.py"), "teacher_logps - logps",
+                                "logps - teacher_logps")),
 }
 
 
