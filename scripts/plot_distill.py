@@ -57,7 +57,7 @@ def main(path, runs):
     by_time.set(xlabel='minutes of training (evaluations left out)',
                 ylabel='held-out greedy accuracy', ylim=(0, 1))
     by_kl.set(xlabel='iteration', ylabel='nats per token',
-              title='reverse KL to the teacher (teacher kl), tenths of the run')
+              title='teacher kl, the mean of each tenth of the run')
     for ax in (by_iter, by_time, by_kl):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
