@@ -134,7 +134,8 @@ def check_config(c, world_size, distributed=False):
         parallel=('ddp', 'fsdp'), sandbox=('bwrap', 'none'),
         reward_model_dtype=('float32', 'bfloat16', 'float64'),
         stale_correction=('decoupled', 'tis', 'none'),
-        teacher_dtype=('float32', 'bfloat16', 'float64'))
+        teacher_dtype=('float32', 'bfloat16', 'float64'),
+        curriculum=('', 'pass_rate'))
     for key, valid in choices.items():
         if c[key] not in valid:
             raise unknown(key, c[key], valid)
@@ -146,7 +147,8 @@ def check_config(c, world_size, distributed=False):
         sft_batch_size=1, max_resample_rounds=0, warmup_iters=0,
         ref_sync_every=0, max_bad_steps=1, n_layer=1, n_head=1, n_embd=1,
         block_size=2, vocab_size=0, grad_clip=0, weight_decay=0,
-        peak_flops=0, lora_rank=0, tool_workers=1, max_staleness=0)
+        peak_flops=0, lora_rank=0, tool_workers=1, max_staleness=0,
+        curriculum_patience=1, curriculum_rest=1)
     why = dict(
         num_generations="; GRPO learns from differences between the completions "
                         "of one prompt",
@@ -235,6 +237,7 @@ def check_config(c, world_size, distributed=False):
           "neither is set, so every log-prob is the full softmax's already: "
           "drop it")
     check_distillation(c, distributed)
+    check_curriculum(c)
     check_loss(c)
     check_sampling(c['top_k'], c['top_p'])
     # a new run never deletes or appends to another's checkpoints and metrics
@@ -262,6 +265,24 @@ def check_distillation(c, distributed):
     _need(not distributed or c['parallel'] != 'fsdp',
           "a teacher is not sharded: parallel='fsdp' would hold a whole copy "
           "on every rank; use parallel='ddp' with a teacher")
+
+
+def check_curriculum(c):
+    """The curriculum's thresholds (docs/curriculum.md), and what it cannot go with:
+    another way to choose the prompts, or a draw made before the pool is known."""
+    easy, hard = c['curriculum_easy'], c['curriculum_hard']
+    _need(0 <= hard < easy <= 1,
+          f"curriculum_hard={hard} and curriculum_easy={easy} are pass rates: "
+          f"0 <= curriculum_hard < curriculum_easy <= 1")
+    if not c['curriculum']:
+        return
+    _need(not c['dynamic_sampling'],
+          "curriculum='pass_rate' and dynamic_sampling=True both choose the "
+          "prompts (by their history; by resampling): use one")
+    _need(not c['max_staleness'],
+          f"curriculum='pass_rate' draws each iteration's prompts from the pool "
+          f"as the iteration before left it, max_staleness={c['max_staleness']} "
+          f"samples iterations ahead of it: use one")
 
 
 def check_loss(s):
