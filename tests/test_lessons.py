@@ -28,11 +28,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from reward import compute_rewards, exact_match, get_reward_fns  # noqa: E402
 from lib.tokenizer import get_tokenizer  # noqa: E402
+import test_curriculum  # noqa: E402
 
 DOCS = os.path.join(ROOT, "docs")
 SOLUTIONS = os.path.join(DOCS, "solutions")
 MINE = os.environ.get("LESSONS_CHECK") == "mine"
-PATCHABLE = {"loss.py", "rollout.py", "reward.py", "data.py"}  # the others change too often to patch against
+PATCHABLE = {"loss.py", "rollout.py", "reward.py", "data.py", "lib/curriculum.py"}  # the others change too often to patch against
 DT = torch.float64
 NAN = float("nan")
 _names = itertools.count()
@@ -60,6 +61,15 @@ def apply(patch, directory):
         pytest.skip("git is not installed")
     p = subprocess.run(["git", "apply", "-p1", path], cwd=directory, capture_output=True, text=True)
     assert p.returncode == 0, f"{patch} no longer applies to the current code:\n{p.stdout}{p.stderr}"
+    return directory
+
+
+def unapply(patch, directory):
+    """Take docs/solutions/<patch> out of directory again (git apply -R): a patch that removes an exercise's
+    answer, reversed, is the answer."""
+    p = subprocess.run(["git", "apply", "-R", "-p1", os.path.join(SOLUTIONS, patch)], cwd=directory,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
 
 
 @pytest.mark.skipif(MINE, reason="your working tree holds your own answers, which the solutions need not fit")
@@ -453,6 +463,8 @@ ANSWERS = {
                                        "completions")),
     "reverse": (lambda d: apply("reverse_task.patch", d),
                 lambda d: wrong(os.path.join(d, "data.py"), '"answer": word[::-1]', '"answer": word')),
+    "pass_rate": (lambda d: unapply("pass_rate_pool.patch", apply("pass_rate_pool.patch", d)),
+                  lambda d: wrong(os.path.join(d, "lib", "curriculum.py"), "streak = 0\n", "pass\n")),
 }
 
 
@@ -490,7 +502,8 @@ def student_copy(directory):
 
 
 @mine_skip
-@pytest.mark.parametrize("keyword", ["median", "length_penalty", "reverse"], ids=["ex1", "ex2", "ex3"])
+@pytest.mark.parametrize("keyword", ["median", "length_penalty", "reverse", "pass_rate"],
+                         ids=["ex1", "ex2", "ex3", "ex6"])
 def test_an_exercise_check_passes_a_right_answer_and_fails_a_wrong_one(keyword, tmp_path):
     """Apply the solution, run the page's check: it passes, having run this exercise's tests alone; spoil the
     answer: it fails."""
@@ -513,3 +526,37 @@ def test_the_break_exercise_check_fails_on_the_break(tmp_path):
     apply("per_micro_batch_tokens.patch", directory)
     code, ran, out = run_check(directory, command.group(1))
     assert code == 1 and ran and all("split_invariance" in t for t in ran), out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exercise 6: the curriculum's pass-rate pool (lib/curriculum.py: Pool.retired and Pool.visit)
+
+@pytest.fixture(scope="module")
+def pool_class(tmp_path_factory):
+    """The Pool to check: the working tree's (LESSONS_CHECK=mine), else the solution: the repository's own code,
+    the lines pass_rate_pool.patch removes, put back."""
+    directory = ROOT if MINE else copy_repo(tmp_path_factory.mktemp("pool"))
+    return load(os.path.join(directory, "lib"), "curriculum").Pool
+
+
+def test_pass_rate_by_hand(pool_class):
+    test_curriculum.test_the_pass_rate_and_streak_by_hand(pool_class)
+
+
+def test_pass_rate_retires_and_brings_back(pool_class):
+    test_curriculum.test_a_retired_prompt_is_passed_rest_times_then_visits_once(pool_class)
+
+
+def test_pass_rate_against_a_loop(pool_class):
+    test_curriculum.test_the_pool_brute_force(pool_class)
+
+
+@mine_skip
+def test_the_pool_patch_takes_out_the_answer(tmp_path):
+    """The exercise's start: with the patch applied every pool check fails."""
+    blank = load(os.path.join(apply("pass_rate_pool.patch", copy_repo(tmp_path)), "lib"), "curriculum").Pool
+    for check in (test_curriculum.test_the_pass_rate_and_streak_by_hand,
+                  test_curriculum.test_a_retired_prompt_is_passed_rest_times_then_visits_once,
+                  test_curriculum.test_the_pool_brute_force):
+        with pytest.raises(AssertionError):
+            check(blank)

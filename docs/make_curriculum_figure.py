@@ -1,0 +1,84 @@
+"""
+docs/curriculum.md's figure from the runs' metrics.jsonl (the commands are on that page): held-out greedy
+accuracy against the completions sampled, the share of flat groups in the batches trained on, and the
+curriculum's pool.
+
+$ python docs/make_curriculum_figure.py out-curr/base out-curr/curriculum out-curr/dynamic
+
+writes assets/curriculum_run.png and prints the numbers the page quotes. Needs matplotlib.
+"""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLORS = dict(base='tab:blue', curriculum='tab:orange', dynamic='tab:green')
+
+
+def read(run):
+    with open(os.path.join(run, 'metrics.jsonl')) as f:
+        rows = [json.loads(line) for line in f]
+    return [r for r in rows if 'reward' in r], [r for r in rows if 'eval/greedy_acc' in r]
+
+
+def curves(run, P, G):
+    """The iterations' and evaluations' metrics, and the completions sampled before each
+    iteration. Dynamic sampling (one process: its dropped_groups are all of them) samples
+    the batch's groups that teach something and every flat group it dropped."""
+    train, evals = read(run)
+    with open(os.path.join(run, 'config.json')) as f:
+        dynamic = json.load(f)['dynamic_sampling']
+    drawn = [0]
+    for r in train:
+        groups = r['dropped_groups'] + P * (1 - r['flat_groups']) if dynamic else P
+        drawn.append(drawn[-1] + G * round(groups))
+    return train, evals, drawn
+
+
+def smooth(values, window=10):
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
+def main(runs, P=32, G=8):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, (ax_acc, ax_flat, ax_pool) = plt.subplots(1, 3, figsize=(15, 4))
+    for run in runs:
+        name = os.path.basename(os.path.normpath(run))
+        train, evals, drawn = curves(run, P, G)
+        color = COLORS.get(name)
+        x = [drawn[e['iter']] / 1e3 for e in evals]
+        ax_acc.plot(x, [e['eval/greedy_acc'] for e in evals], 'o-', color=color, label=name)
+        ax_flat.plot([r['iter'] for r in train], smooth([r['flat_groups'] for r in train]), color=color,
+                     label=name)
+        print(f"{name}: " + ", ".join(f"{d / 1e3:.0f}k {e['eval/greedy_acc']:.3f}"
+                                      for d, e in zip([drawn[e['iter']] for e in evals], evals)))
+        print(f"  flat share trained on: {sum(r['flat_groups'] for r in train) / len(train):.3f}, "
+              f"completions sampled: {drawn[-1]}, seconds: {sum(r['dt'] for r in train):.0f}")
+        if 'pool/active' in train[-1]:
+            for key, style in (('pool/active', '-'), ('pool/easy', '--'), ('pool/hard', ':')):
+                ax_pool.plot([r['iter'] for r in train], [r[key] for r in train], style, color=color,
+                             label=key[5:])
+            last = train[-1]
+            print(f"  pool at the end: {last['pool/active']} active, {last['pool/easy']} too easy, "
+                  f"{last['pool/hard']} too hard; revisits {sum(r['pool/revisits'] for r in train)}")
+    ax_acc.set(xlabel='completions sampled (thousands)', ylabel='held-out greedy accuracy',
+               title='accuracy against samples drawn')
+    ax_flat.set(xlabel='iteration', ylabel='share of flat groups (10-iteration mean)',
+                title='flat groups in the batch trained on')
+    ax_pool.set(xlabel='iteration', ylabel='prompts', title="the curriculum's pool")
+    for ax in (ax_acc, ax_flat, ax_pool):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(ROOT, 'assets', 'curriculum_run.png')
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == '__main__':
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])
