@@ -12,13 +12,10 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from scripts.plot import read  # noqa: E402
+
 COLORS = dict(base='tab:blue', curriculum='tab:orange', dynamic='tab:green')
-
-
-def read(run):
-    with open(os.path.join(run, 'metrics.jsonl')) as f:
-        rows = [json.loads(line) for line in f]
-    return [r for r in rows if 'reward' in r], [r for r in rows if 'eval/greedy_acc' in r]
 
 
 def curves(run, P, G):

@@ -9,6 +9,7 @@ Checkpoints that survive SIGKILL at any moment.
                               adapter/ (LoRA: PEFT's adapter_config.json + adapter_model.safetensors; the model
                               files beside it are then the frozen base, hard links to the run's previous checkpoint's),
                               merged/ (LoRA's merged model, if asked)
+                              curriculum.safetensors (curriculum='pass_rate': the pool of prompts, lib/curriculum.py)
                               tokenizer.json, generation_config.json... (a checkpoint's tokenizer's, when used)
 
 A checkpoint is written into a temporary directory, every file fsync'd, the directory renamed into place, and only

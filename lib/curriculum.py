@@ -34,7 +34,7 @@ class Pool:
     def __init__(self, n, cfg, *, start, saved=None):
         """The pool of n train prompts, at iteration start: fresh (its walk where
         step_rows' would be) or a checkpoint's tensors (saved, Pool.tensors')."""
-        self.cfg, self.orders, self.walked = cfg, {}, None
+        self.cfg, self.orders, self.walked, self.revisits = cfg, {}, None, 0
         self.rate = torch.full((n,), float('nan'), dtype=torch.float64)
         self.streak = torch.zeros(n, dtype=torch.long)
         self.skipped = torch.zeros(n, dtype=torch.long)
