@@ -262,3 +262,17 @@ def test_every_layout_of_ranks_and_max_rows_learns_the_same(policy, tmp_path):
                 if k in LAYOUT_METRICS:
                     continue
                 assert got_row[k] == pytest.approx(v, rel=1e-12, abs=1e-15), (ranks, m, k)
+
+
+def test_the_measurement_script_runs_and_draws_at_toy_size():
+    """docs/make_async_figure.py --check: its runs (K = 0, and 2 with and without the correction) through
+    train.py, its table and its figure, at toy sizes in a temp dir."""
+    p = subprocess.run([sys.executable, 'docs/make_async_figure.py', '--check'], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    table = [line.split(' | ') for line in p.stdout.splitlines() if line.startswith('k')]
+    assert [row[0].strip() for row in table] == ['k0-none', 'k2-none', 'k2-decoupled']
+    # an evaluation at 0, 2 and 4 a run
+    assert all(len(json.loads(row[1])) == 3 for row in table), p.stdout
+    pytest.importorskip('matplotlib')
+    assert 'wrote ' in p.stdout and 'async_run.png' in p.stdout
