@@ -110,9 +110,7 @@ def draw(work, size, path):
         acc.plot([e['iter'] for e in evals], [e['eval/greedy_acc'] for e in evals], marker='o', **style)
         its = [r['iter'] for r in rows]
         reward.plot(its, smooth([r['reward'] for r in rows], size['window']), **style)
-        # without a correction the old log-probs are the sampler's: no gap is measured
-        if correction != 'none':
-            kl.plot(its, smooth([r['sampler/kl'] for r in rows], size['window']), **style)
+        kl.plot(its, smooth([r['sampler/kl'] for r in rows], size['window']), **style)
         generate, update = mean([r['time/generate'] for r in rows]), mean([r['time/update'] for r in rows])
         rest = mean([r['dt'] for r in rows]) - generate - update
         time.bar(i, generate, color=colors[k], alpha=0.9, hatch='//' if bare else None)
@@ -122,7 +120,7 @@ def draw(work, size, path):
     reward.set(xlabel='iteration', ylabel=f"train reward, mean of {size['window']}",
                title='train reward')
     kl.set(xlabel='iteration', ylabel='sampler/kl (k3)', yscale='log',
-           title="KL(behaviour || proximal), with the correction")
+           title="KL(sampler's policy || the trained one)")
     time.set_xticks(range(len(size['runs'])), size['runs'], rotation=45, fontsize=8)
     time.set(ylabel='seconds an iteration', title='generate (colour), update (grey), rest')
     for ax in (acc, reward, kl, time):
