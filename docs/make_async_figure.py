@@ -1,14 +1,16 @@
 """
-The measurement of docs/async.md (issue 57): the default task at max_staleness K = 0, 1, 4, 16, each K > 0
-with the decoupled correction and without ('none'), one run after another from one warm start; then
-assets/async_run.png and the numbers the page quotes, from each run's metrics.jsonl.
+The measurement of docs/async.md (issue 57): the default task at max_staleness K = 0, 1, 4,
+16, each K > 0 with the decoupled correction and without ('none'), one run after another
+from one warm start; then assets/async_run.png and the numbers the page quotes, from each
+run's metrics.jsonl.
 
-$ python docs/make_async_figure.py            # the runs out-async/ lacks, then the figure and the table
-$ python docs/make_async_figure.py --check    # the same code at toy sizes, in a temp dir
+$ python docs/make_async_figure.py          # the runs out-async/ lacks, the figure, the table
+$ python docs/make_async_figure.py --check  # the same code at toy sizes, in a temp dir
 
-A run whose metrics.jsonl holds its last evaluation is not run again, so a stopped measurement goes on where it
-stopped. Each run is the default run's first `iters` iterations (its learning rate is constant), evaluated every
-100 on `eval_size` held-out prompts; OMP_NUM_THREADS=1, since the machine it was made on is shared.
+A run whose metrics.jsonl holds its last evaluation is not run again, so a stopped
+measurement goes on where it stopped. Each run is the default run's first `iters` iterations
+(its learning rate is constant), evaluated every 100 on `eval_size` held-out prompts;
+OMP_NUM_THREADS=1, since the machine it was made on is shared.
 """
 import json
 import os
@@ -18,13 +20,15 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = ['k0-none', 'k16-none', 'k16-decoupled', 'k4-none', 'k4-decoupled', 'k1-none', 'k1-decoupled']
+RUNS = ['k0-none', 'k16-none', 'k16-decoupled', 'k4-none', 'k4-decoupled', 'k1-none',
+        'k1-decoupled']
 SIZES = {
     'full': dict(iters=400, runs=RUNS, train=['--eval_size=200'], window=20),
     'check': dict(iters=4, runs=['k0-none', 'k2-none', 'k2-decoupled'], window=2,
                   train=['--eval_size=4', '--eval_interval=2', '--n_layer=1', '--n_head=2',
-                         '--n_embd=32', '--sft_iters=3', '--sft_batch_size=8', '--prompts_per_step=4',
-                         '--num_generations=4', '--micro_batch_size=4', '--peak_flops=1e12']),
+                         '--n_embd=32', '--sft_iters=3', '--sft_batch_size=8',
+                         '--prompts_per_step=4', '--num_generations=4',
+                         '--micro_batch_size=4', '--peak_flops=1e12']),
 }
 
 
@@ -43,8 +47,8 @@ def metrics(out_dir):
 
 
 def train(work, size):
-    """Each run of size in work/<run>/, one after another, from one warm start (copied into each: train.py
-    reuses a warm start whose settings match). A run already whole is kept."""
+    """Each run of size in work/<run>/, one after another, from one warm start (copied into
+    each: train.py reuses a warm start whose settings match). A run already whole is kept."""
     env = dict(os.environ, OMP_NUM_THREADS='1')
     args = [sys.executable, 'train.py', 'config/dr_grpo.py', '--save_interval=0', *size['train']]
     warm = os.path.join(work, 'warm')
@@ -60,8 +64,9 @@ def train(work, size):
         shutil.copytree(os.path.join(warm, 'warmstart'), os.path.join(out, 'warmstart'))
         print(f"running {run}", flush=True)
         with open(os.path.join(work, f'{run}.log'), 'w') as log:
-            subprocess.run(args + settings(run) + [f'--max_iters={size["iters"]}', f'--out_dir={out}'],
-                           cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+            flags = settings(run) + [f'--max_iters={size["iters"]}', f'--out_dir={out}']
+            subprocess.run(args + flags, cwd=ROOT, env=env, check=True, stdout=log,
+                           stderr=subprocess.STDOUT)
 
 
 def mean(values):
@@ -94,24 +99,27 @@ def smooth(values, window):
 
 
 def draw(work, size, path):
-    """Held-out accuracy, the train reward (a moving mean), the sampler-trainer KL and the time of an
-    iteration's phases: a colour per K, solid with the correction, dashed without."""
+    """Held-out accuracy, the train reward (a moving mean), the sampler-trainer KL and the
+    time of an iteration's phases: a colour per K, solid with the correction, dashed without."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig, ((acc, reward), (kl, time)) = plt.subplots(2, 2, figsize=(11, 7.5))
-    colors = {'k0': 'black', 'k1': 'tab:blue', 'k2': 'tab:blue', 'k4': 'tab:orange', 'k16': 'tab:red'}
+    colors = {'k0': 'black', 'k1': 'tab:blue', 'k2': 'tab:blue', 'k4': 'tab:orange',
+              'k16': 'tab:red'}
     for i, run in enumerate(size['runs']):
         rows, evals = metrics(os.path.join(work, run))
         k, correction = run.split('-')
         bare = correction == 'none' and k != 'k0'
         style = dict(color=colors[k], linestyle='--' if bare else '-',
                      label='K = 0 (sync)' if k == 'k0' else f"K = {k[1:]}, {correction}")
-        acc.plot([e['iter'] for e in evals], [e['eval/greedy_acc'] for e in evals], marker='o', **style)
+        acc.plot([e['iter'] for e in evals], [e['eval/greedy_acc'] for e in evals],
+                 marker='o', **style)
         its = [r['iter'] for r in rows]
         reward.plot(its, smooth([r['reward'] for r in rows], size['window']), **style)
         kl.plot(its, smooth([r['sampler/kl'] for r in rows], size['window']), **style)
-        generate, update = mean([r['time/generate'] for r in rows]), mean([r['time/update'] for r in rows])
+        generate = mean([r['time/generate'] for r in rows])
+        update = mean([r['time/update'] for r in rows])
         rest = mean([r['dt'] for r in rows]) - generate - update
         time.bar(i, generate, color=colors[k], alpha=0.9, hatch='//' if bare else None)
         time.bar(i, update, bottom=generate, color='0.6')

@@ -522,9 +522,10 @@ def test_the_break_exercise_check_fails_on_the_break(tmp_path):
 # exercise 7: the objective of stale groups (loss.decoupled_loss), written back
 
 def brute_decoupled(logps, prox, behav, A, mask, eps, clip_max, mode):
-    """AReaL's decoupled PPO by a loop over tokens, from its equation: -w min(r A, clip(r, 1 - eps, 1 + eps) A) with
-    r = pi / pi_prox and w = pi_prox / pi_behav, cut to [0, clip_max] ('token_truncate') or 0 outside it
-    ('token_mask'), summed and divided by the tokens (dapo). Returns (loss, the share of tokens w was cut on)."""
+    """AReaL's decoupled PPO by a loop over tokens, from its equation:
+    -w min(r A, clip(r, 1 - eps, 1 + eps) A) with r = pi / pi_prox and w = pi_prox / pi_behav,
+    cut to [0, clip_max] ('token_truncate') or 0 outside it ('token_mask'), summed and divided
+    by the tokens (dapo). Returns (loss, the share of tokens w was cut on)."""
     total, cut, n = 0.0, 0, int(mask.sum())
     for i, t in mask.nonzero().tolist():
         r = torch.exp(logps[i, t] - prox[i, t])
@@ -539,8 +540,8 @@ def brute_decoupled(logps, prox, behav, A, mask, eps, clip_max, mode):
 
 
 def stale_batch(seed, versions_behind):
-    """A group of 6 rows, 5 tokens, some padding; the proximal policy (the one before this update) and a behaviour
-    policy that drifted from it the more versions behind it sampled."""
+    """A group of 6 rows, 5 tokens, some padding; the proximal policy (the one before this
+    update) and a behaviour policy that drifted from it the more versions behind it sampled."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.arange(5) < torch.tensor([5, 2, 4, 1, 5, 3])[:, None]
     prox = -3 * torch.rand(6, 5, generator=g, dtype=DT)
@@ -556,8 +557,9 @@ def test_stale_decoupled_loss_matches_a_loop(mode, versions_behind):
     for seed in range(3):
         logps, prox, behav, A, mask = stale_batch(seed, versions_behind)
         leaf = logps.clone().requires_grad_(True)
-        got, stats = loss.decoupled_loss(leaf, prox, None, A, mask, sampler_logps=behav, loss_type="dapo",
-                                         sampler_correction=mode, sampler_correction_clip_max=1.5)
+        got, stats = loss.decoupled_loss(leaf, prox, None, A, mask, sampler_logps=behav,
+                                         loss_type="dapo", sampler_correction=mode,
+                                         sampler_correction_clip_max=1.5)
         got.backward()
         brute_leaf = logps.clone().requires_grad_(True)
         want, share = brute_decoupled(brute_leaf, prox, behav, A, mask, 0.2, 1.5, mode)
@@ -569,8 +571,9 @@ def test_stale_decoupled_loss_matches_a_loop(mode, versions_behind):
 
 
 def test_stale_group_that_is_fresh_is_plain_grpo_and_a_stale_one_is_not():
-    """Sampled by the proximal policy itself (0 versions behind) the weight is 1: grpo_loss's own gradient. Sampled
-    4 versions ago it is not, and on its first step (prox None: pi_prox = pi) the ratio is 1, so only w moves it."""
+    """Sampled by the proximal policy itself (0 versions behind) the weight is 1: grpo_loss's
+    own gradient. Sampled 4 versions ago it is not, and on its first step (prox None:
+    pi_prox = pi) the ratio is 1, so only w moves it."""
     import loss
 
     def grad(fn, logps, *args, **kwargs):
@@ -578,8 +581,9 @@ def test_stale_group_that_is_fresh_is_plain_grpo_and_a_stale_one_is_not():
         fn(leaf, *args, loss_type="dapo", **kwargs)[0].backward()
         return leaf.grad
     logps, prox, behav, A, mask = stale_batch(0, 0)
-    torch.testing.assert_close(grad(loss.decoupled_loss, logps, prox, None, A, mask, sampler_logps=behav),
-                               grad(loss.grpo_loss, logps, prox, None, A, mask), rtol=0, atol=0)
+    fresh = grad(loss.decoupled_loss, logps, prox, None, A, mask, sampler_logps=behav)
+    torch.testing.assert_close(fresh, grad(loss.grpo_loss, logps, prox, None, A, mask),
+                               rtol=0, atol=0)
     logps, prox, behav, A, mask = stale_batch(0, 4)
     plain = grad(loss.grpo_loss, logps, None, None, A, mask)
     stale = grad(loss.decoupled_loss, logps, None, None, A, mask, sampler_logps=behav)

@@ -175,8 +175,8 @@ def test_bad_stale_settings_are_refused_in_one_line(overrides, message, tmp_path
         check_config(c, world_size=1)
 
 
-# train.py under torchrun, rank 1 killed (SIGKILL, nothing it can catch) where `when` holds on a call of
-# module.name's
+# train.py under torchrun, rank 1 killed (SIGKILL, nothing it can catch) where `when` holds on
+# a call of module.name's
 DIES = """
 import os, runpy, signal, sys
 import rollout
@@ -205,22 +205,25 @@ MOMENTS = {
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
 @pytest.mark.parametrize('moment', MOMENTS)
-def test_a_rank_that_dies_stops_the_run_in_one_line_and_loses_no_checkpoint(policy, tmp_path, moment):
-    """K = 2 on 2 ranks, rank 1 killed mid-iteration: rank 0 stops with one line (no traceback) naming the last
-    checkpoint, before the iteration, whole (never one rank 1 did not finish), and resuming from it on 2 ranks is
-    the run never stopped."""
+def test_a_rank_that_dies_stops_the_run_in_one_line_and_loses_no_checkpoint(policy, tmp_path,
+                                                                              moment):
+    """K = 2 on 2 ranks, rank 1 killed mid-iteration: rank 0 stops with one line (no traceback)
+    naming the last checkpoint, before the iteration, whole (never one rank 1 did not finish),
+    and resuming from it on 2 ranks is the run never stopped."""
     args = TINY + ['--max_staleness=2']
     two = TORCHRUN + ['--standalone', '--nproc_per_node=2']
     launch([args + [f'--init_from={policy}', f'--out_dir={tmp_path}/straight']], tmp_path, two)
     (tmp_path / 'dies.py').write_text(DIES.format(where=MOMENTS[moment]))
     died = tmp_path / 'died'
-    p = subprocess.run([*two, str(tmp_path / 'dies.py'), 'train.py', *args, f'--init_from={policy}',
-                        f'--out_dir={died}'], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT),
-                       capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
+    p = subprocess.run([*two, str(tmp_path / 'dies.py'), 'train.py', *args,
+                        f'--init_from={policy}', f'--out_dir={died}'],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     said = [line for line in p.stderr.splitlines() if line.startswith('error: rank 0 stopped')]
     assert len(said) == 1 and 'another rank is gone (' in said[0], p.stderr[-3000:]
-    assert f"the last checkpoint, {died}/ckpt-000003, is whole: resume with init_from='resume'" in said[0]
+    whole = f"the last checkpoint, {died}/ckpt-000003, is whole: resume with init_from='resume'"
+    assert whole in said[0]
     # gloo's own message, with its source file, is only in a traceback
     assert 'gloo/transport' not in p.stderr
     assert json.load(open(died / 'latest')) == 'ckpt-000003'
@@ -232,20 +235,24 @@ def test_a_rank_that_dies_stops_the_run_in_one_line_and_loses_no_checkpoint(poli
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
 def test_every_layout_of_ranks_and_max_rows_learns_the_same(policy, tmp_path):
-    """K = 0, 3 iterations of mu = 2: 1 or 2 ranks, each decoding all its rows at once (max_rows = 0), one group
-    (G) or two (2G) at a time. In float64 refill draws the completions all rows at once do (test_refill.py), so
-    every layout learns the same: metrics and weights bitwise on one rank, to 1e-10 on two (the gradient summed
-    over ranks in another order, as are the metrics but the layout's own), the rewards bitwise on both."""
+    """K = 0, 3 iterations of mu = 2: 1 or 2 ranks, each decoding all its rows at once
+    (max_rows = 0), one group (G) or two (2G) at a time. In float64 refill draws the
+    completions all rows at once do (test_refill.py), so every layout learns the same: metrics
+    and weights bitwise on one rank, to 1e-10 on two (the gradient summed over ranks in another
+    order, as are the metrics but the layout's own), the rewards bitwise on both."""
     G, results = 4, {}
     for ranks in (1, 2):
-        launcher = TORCHRUN + ['--standalone', f'--nproc_per_node={ranks}'] if ranks > 1 else [sys.executable]
+        launcher = [sys.executable]
+        if ranks > 1:
+            launcher = TORCHRUN + ['--standalone', f'--nproc_per_node={ranks}']
         launch([TINY + ['--max_iters=3', f'--init_from={policy}', f'--max_rows={m}',
                         f'--out_dir={tmp_path}/{ranks}-{m}'] for m in (0, G, 2 * G)],
                tmp_path, launcher, name=f'{ranks}.json')
         for m in (0, G, 2 * G):
             out = tmp_path / f'{ranks}-{m}'
-            results[ranks, m] = weights(out), [{k: v for k, v in r.items() if not k.startswith('mem/')}
-                                               for r in metric_lines(out)]
+            rows = [{k: v for k, v in r.items() if not k.startswith('mem/')}
+                    for r in metric_lines(out)]
+            results[ranks, m] = weights(out), rows
     ref_weights, ref_rows = results[1, 0]
     assert max_diff(ref_weights, load_file(os.path.join(policy, 'model.safetensors'))) > 1e-4
     assert len(ref_rows) == 3 and len({r['reward'] for r in ref_rows}) > 1
@@ -257,7 +264,8 @@ def test_every_layout_of_ranks_and_max_rows_learns_the_same(policy, tmp_path):
         for got_row, want in zip(rows, ref_rows):
             assert got_row.keys() == want.keys()
             # the same completions: their rewards and lengths exactly
-            assert all(got_row[k] == want[k] for k in ('reward', 'reward_std', 'len_mean')), (m, got_row)
+            same = ('reward', 'reward_std', 'len_mean')
+            assert all(got_row[k] == want[k] for k in same), (m, got_row)
             for k, v in want.items():
                 if k in LAYOUT_METRICS:
                     continue
@@ -265,10 +273,11 @@ def test_every_layout_of_ranks_and_max_rows_learns_the_same(policy, tmp_path):
 
 
 def test_the_measurement_script_runs_and_draws_at_toy_size():
-    """docs/make_async_figure.py --check: its runs (K = 0, and 2 with and without the correction) through
-    train.py, its table and its figure, at toy sizes in a temp dir."""
-    p = subprocess.run([sys.executable, 'docs/make_async_figure.py', '--check'], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    """docs/make_async_figure.py --check: its runs (K = 0, and 2 with and without the
+    correction) through train.py, its table and its figure, at toy sizes in a temp dir."""
+    p = subprocess.run([sys.executable, 'docs/make_async_figure.py', '--check'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     table = [line.split(' | ') for line in p.stdout.splitlines() if line.startswith('k')]
     assert [row[0].strip() for row in table] == ['k0-none', 'k2-none', 'k2-decoupled']
