@@ -26,18 +26,36 @@ import torch
 import loss
 from rollout import score
 from sampling import check_sampling
-from lib import chat, checkpoint, multiturn
+from lib import chat, checkpoint, multiturn, parallelism
 from lib.errors import ConfigError, unknown
 from lib.tokenizer import eos_ids, get_tokenizer
 
 
-def one_line_errors(kind, value, tb):
-    """train.py's sys.excepthook: bad input (a ConfigError) prints one line, a bug
-    its traceback."""
+def one_line_errors(kind, value, tb, out_dir=None):
+    """train.py's sys.excepthook: bad input (a ConfigError) prints one line, a rank
+    that lost another (once out_dir is known) one line naming the last checkpoint, a
+    bug its traceback."""
     if issubclass(kind, ConfigError):
         print(f"error: {value}", file=sys.stderr)
+    elif out_dir and parallelism.peer_gone(value):
+        print(lost_rank(value, out_dir), file=sys.stderr)
     else:
         sys.__excepthook__(kind, value, tb)
+
+
+def lost_rank(error, out_dir):
+    """What a rank says when another is gone: gloo's reason without its source
+    line, and the checkpoint to resume from (the writes are atomic: it is whole)."""
+    rank = os.environ.get('RANK', '0')
+    # '[.../gloo/transport/tcp/pair.cc:537] Read error [...]: Connection reset by
+    # peer. This is typically caused by ...'
+    reason = str(error).splitlines()[0].split('] ', 1)[-1].split('. ')[0]
+    latest = checkpoint.read_json(os.path.join(out_dir, 'latest'))
+    saved = (f"the last checkpoint, {os.path.join(out_dir, latest)}, is whole: "
+             f"resume with init_from='resume'" if latest else
+             "no checkpoint was saved yet: start the run again")
+    return (f"error: rank {rank} stopped: another rank is gone ({reason}); {saved} "
+            f"once every rank can run (that rank's own output says why it stopped)")
 
 
 # the values a config may hold; the rest of train.py's globals (modules,

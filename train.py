@@ -157,6 +157,8 @@ check_device(device)
 distributed, rank, world_size, device = parallelism.init(device)
 # SIGTERM or Ctrl-C: within seconds, a checkpoint of the state before the iteration
 parallelism.catch_stop_signals()
+# a rank whose peer is gone stops with one line naming the last checkpoint
+sys.excepthook = functools.partial(one_line_errors, out_dir=out_dir)
 device_type, master = 'cuda' if 'cuda' in device else 'cpu', rank == 0
 
 # What a setting leaves open is settled here, once, in the globals (config.json keeps it)

@@ -33,7 +33,8 @@ import test_curriculum  # noqa: E402
 DOCS = os.path.join(ROOT, "docs")
 SOLUTIONS = os.path.join(DOCS, "solutions")
 MINE = os.environ.get("LESSONS_CHECK") == "mine"
-PATCHABLE = {"loss.py", "rollout.py", "reward.py", "data.py", "lib/curriculum.py"}  # the others change too often to patch against
+# the others change too often to patch against
+PATCHABLE = {"loss.py", "rollout.py", "reward.py", "data.py", "lib/curriculum.py"}
 DT = torch.float64
 NAN = float("nan")
 _names = itertools.count()
@@ -465,6 +466,8 @@ ANSWERS = {
                 lambda d: wrong(os.path.join(d, "data.py"), '"answer": word[::-1]', '"answer": word')),
     "pass_rate": (lambda d: unapply("pass_rate_pool.patch", apply("pass_rate_pool.patch", d)),
                   lambda d: wrong(os.path.join(d, "lib", "curriculum.py"), "streak = 0\n", "pass\n")),
+    # the code as it is holds the answer; the exercise's start (the patch: its lines out) fails
+    "stale": (lambda d: None, lambda d: apply("decoupled_removed.patch", d)),
 }
 
 
@@ -502,8 +505,8 @@ def student_copy(directory):
 
 
 @mine_skip
-@pytest.mark.parametrize("keyword", ["median", "length_penalty", "reverse", "pass_rate"],
-                         ids=["ex1", "ex2", "ex3", "ex6"])
+@pytest.mark.parametrize("keyword", ["median", "length_penalty", "reverse", "pass_rate", "stale"],
+                         ids=["ex1", "ex2", "ex3", "ex6", "ex7"])
 def test_an_exercise_check_passes_a_right_answer_and_fails_a_wrong_one(keyword, tmp_path):
     """Apply the solution, run the page's check: it passes, having run this exercise's tests alone; spoil the
     answer: it fails."""
@@ -560,3 +563,77 @@ def test_the_pool_patch_takes_out_the_answer(tmp_path):
                   test_curriculum.test_the_pool_brute_force):
         with pytest.raises(AssertionError):
             check(blank)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exercise 7: the objective of stale groups (loss.decoupled_loss), written back
+
+def brute_decoupled(logps, prox, behav, A, mask, eps, clip_max, mode):
+    """AReaL's decoupled PPO by a loop over tokens, from its equation:
+    -w min(r A, clip(r, 1 - eps, 1 + eps) A) with r = pi / pi_prox and w = pi_prox / pi_behav,
+    cut to [0, clip_max] ('token_truncate') or 0 outside it ('token_mask'), summed and divided
+    by the tokens (dapo). Returns (loss, the share of tokens w was cut on)."""
+    total, cut, n = 0.0, 0, int(mask.sum())
+    for i, t in mask.nonzero().tolist():
+        r = torch.exp(logps[i, t] - prox[i, t])
+        w = math.exp(prox[i, t] - behav[i, t])
+        cut += w > clip_max
+        if mode == "token_truncate":
+            w = min(w, clip_max)
+        elif w > clip_max:
+            w = 0.0
+        total = total - w * torch.min(r * A[i], r.clamp(1 - eps, 1 + eps) * A[i])
+    return total / n, cut / n
+
+
+def stale_batch(seed, versions_behind):
+    """A group of 6 rows, 5 tokens, some padding; the proximal policy (the one before this
+    update) and a behaviour policy that drifted from it the more versions behind it sampled."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(5) < torch.tensor([5, 2, 4, 1, 5, 3])[:, None]
+    prox = -3 * torch.rand(6, 5, generator=g, dtype=DT)
+    behav = prox + 0.3 * versions_behind * torch.randn(6, 5, generator=g, dtype=DT)
+    logps = prox + 0.1 * torch.randn(6, 5, generator=g, dtype=DT)
+    return logps, prox, behav, torch.randn(6, generator=g, dtype=DT), mask
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+@pytest.mark.parametrize("versions_behind", [0, 1, 4])
+def test_stale_decoupled_loss_matches_a_loop(mode, versions_behind):
+    import loss
+    for seed in range(3):
+        logps, prox, behav, A, mask = stale_batch(seed, versions_behind)
+        leaf = logps.clone().requires_grad_(True)
+        got, stats = loss.decoupled_loss(leaf, prox, None, A, mask, sampler_logps=behav,
+                                         loss_type="dapo", sampler_correction=mode,
+                                         sampler_correction_clip_max=1.5)
+        got.backward()
+        brute_leaf = logps.clone().requires_grad_(True)
+        want, share = brute_decoupled(brute_leaf, prox, behav, A, mask, 0.2, 1.5, mode)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(leaf.grad, brute_leaf.grad, rtol=1e-12, atol=1e-14)
+        assert stats["stale/clipped"].item() == pytest.approx(share, abs=1e-15)
+        assert versions_behind < 4 or share > 0  # the older the sampler, the more weights are cut
+
+
+def test_stale_group_that_is_fresh_is_plain_grpo_and_a_stale_one_is_not():
+    """Sampled by the proximal policy itself (0 versions behind) the weight is 1: grpo_loss's
+    own gradient. Sampled 4 versions ago it is not, and on its first step (prox None:
+    pi_prox = pi) the ratio is 1, so only w moves it."""
+    import loss
+
+    def grad(fn, logps, *args, **kwargs):
+        leaf = logps.clone().requires_grad_(True)
+        fn(leaf, *args, loss_type="dapo", **kwargs)[0].backward()
+        return leaf.grad
+    logps, prox, behav, A, mask = stale_batch(0, 0)
+    fresh = grad(loss.decoupled_loss, logps, prox, None, A, mask, sampler_logps=behav)
+    torch.testing.assert_close(fresh, grad(loss.grpo_loss, logps, prox, None, A, mask),
+                               rtol=0, atol=0)
+    logps, prox, behav, A, mask = stale_batch(0, 4)
+    plain = grad(loss.grpo_loss, logps, None, None, A, mask)
+    stale = grad(loss.decoupled_loss, logps, None, None, A, mask, sampler_logps=behav)
+    w = torch.exp(logps - behav).clamp(max=3.0)
+    torch.testing.assert_close(stale, torch.where(mask, w * plain, 0.0), rtol=1e-12, atol=1e-15)
+    assert (stale - plain).abs().max() > 1e-3
