@@ -316,12 +316,6 @@ def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights, teache
     return batch
 
 
-def counted_right(scores, reward_fns, accuracy):
-    """(N, functions) scores -> (N,) bool: the completions `accuracy`, one of
-    reward_fns, scores >= 1 (NaN, not applicable: wrong)."""
-    return scores[:, reward_fns.index(accuracy)].nan_to_num() >= 1
-
-
 def rollout_metrics(info, cfg, reward_fns, accuracy):
     """
     What the log says of a rollout, over all ranks (make_batch's info): the rewards
@@ -333,7 +327,7 @@ def rollout_metrics(info, cfg, reward_fns, accuracy):
     """
     G = cfg.num_generations
     rewards, scores, lengths = info['rewards'], info['scores'], info['lengths']
-    correct = counted_right(scores, reward_fns, accuracy)
+    correct = scores[:, reward_fns.index(accuracy)].nan_to_num() >= 1
     metrics = dict(reward=rewards.nanmean().item(),
                    reward_std=rewards.std().item(),
                    acc=correct.double().mean().item(),

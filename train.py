@@ -27,8 +27,8 @@ from data import load_task
 from evaluate import evaluate, report, with_accuracy
 from loss import MAX_STATS, grpo_loss
 from model import GPT, GPTConfig
-from rollout import (counted_right, last_counted, make_batch, micro_batches,
-                     prompt_seed, rollout, rollout_metrics, top_entropy_mask)
+from rollout import (last_counted, make_batch, micro_batches, prompt_seed, rollout,
+                     rollout_metrics, top_entropy_mask)
 import sft
 from lib import chat, checkpoint, lora, parallelism, stream
 from lib.curriculum import Pool
@@ -453,9 +453,10 @@ for it in range(iter_start, max_iters + 1):
             f"intact. Lower learning_rate or check the rewards, then resume with "
             f"init_from='resume'")
 
-    # every rank's groups move their prompts' pass rates: the pool after the iteration
+    # every rank's groups move their prompts' pass rates (right: the accuracy's score >= 1)
     if pool:
-        pool.update(counted_right(info['scores'], reward_fns, accuracy))
+        right = info['scores'][:, reward_fns.index(accuracy)].nan_to_num() >= 1
+        pool.update(right)
     # the log's numbers, once: the update's (norm.item() waits for the device), the rest
     grad_norm, t2 = norm.item(), time.perf_counter()
     speed, update = update_metrics(
