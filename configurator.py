@@ -26,18 +26,36 @@ import torch
 import loss
 from rollout import score
 from sampling import check_sampling
-from lib import chat, checkpoint, multiturn
+from lib import chat, checkpoint, multiturn, parallelism
 from lib.errors import ConfigError, unknown
 from lib.tokenizer import eos_ids, get_tokenizer
 
 
-def one_line_errors(kind, value, tb):
-    """train.py's sys.excepthook: bad input (a ConfigError) prints one line, a bug
-    its traceback."""
+def one_line_errors(kind, value, tb, out_dir=None):
+    """train.py's sys.excepthook: bad input (a ConfigError) prints one line, a rank
+    that lost another (once out_dir is known) one line naming the last checkpoint, a
+    bug its traceback."""
     if issubclass(kind, ConfigError):
         print(f"error: {value}", file=sys.stderr)
+    elif out_dir and parallelism.peer_gone(value):
+        print(lost_rank(value, out_dir), file=sys.stderr)
     else:
         sys.__excepthook__(kind, value, tb)
+
+
+def lost_rank(error, out_dir):
+    """What a rank says when another is gone: gloo's reason without its source
+    line, and the checkpoint to resume from (the writes are atomic: it is whole)."""
+    rank = os.environ.get('RANK', '0')
+    # '[.../gloo/transport/tcp/pair.cc:537] Read error [...]: Connection reset by
+    # peer. This is typically caused by ...'
+    reason = str(error).splitlines()[0].split('] ', 1)[-1].split('. ')[0]
+    latest = checkpoint.read_json(os.path.join(out_dir, 'latest'))
+    saved = (f"the last checkpoint, {os.path.join(out_dir, latest)}, is whole: "
+             f"resume with init_from='resume'" if latest else
+             "no checkpoint was saved yet: start the run again")
+    return (f"error: rank {rank} stopped: another rank is gone ({reason}); {saved} "
+            f"once every rank can run (that rank's own output says why it stopped)")
 
 
 # the values a config may hold; the rest of train.py's globals (modules,
@@ -134,7 +152,8 @@ def check_config(c, world_size, distributed=False):
         parallel=('ddp', 'fsdp'), sandbox=('bwrap', 'none'),
         reward_model_dtype=('float32', 'bfloat16', 'float64'),
         stale_correction=('decoupled', 'tis', 'none'),
-        teacher_dtype=('float32', 'bfloat16', 'float64'))
+        teacher_dtype=('float32', 'bfloat16', 'float64'),
+        curriculum=('', 'pass_rate'))
     for key, valid in choices.items():
         if c[key] not in valid:
             raise unknown(key, c[key], valid)
@@ -146,7 +165,8 @@ def check_config(c, world_size, distributed=False):
         sft_batch_size=1, max_resample_rounds=0, warmup_iters=0,
         ref_sync_every=0, max_bad_steps=1, n_layer=1, n_head=1, n_embd=1,
         block_size=2, vocab_size=0, grad_clip=0, weight_decay=0,
-        peak_flops=0, lora_rank=0, tool_workers=1, max_staleness=0)
+        peak_flops=0, lora_rank=0, tool_workers=1, max_staleness=0,
+        curriculum_patience=1, curriculum_rest=1)
     why = dict(
         num_generations="; GRPO learns from differences between the completions "
                         "of one prompt",
@@ -235,6 +255,7 @@ def check_config(c, world_size, distributed=False):
           "neither is set, so every log-prob is the full softmax's already: "
           "drop it")
     check_distillation(c, distributed)
+    check_curriculum(c)
     check_loss(c)
     check_sampling(c['top_k'], c['top_p'])
     # a new run never deletes or appends to another's checkpoints and metrics
@@ -262,6 +283,24 @@ def check_distillation(c, distributed):
     _need(not distributed or c['parallel'] != 'fsdp',
           "a teacher is not sharded: parallel='fsdp' would hold a whole copy "
           "on every rank; use parallel='ddp' with a teacher")
+
+
+def check_curriculum(c):
+    """The curriculum's thresholds (docs/curriculum.md), and what it cannot go with:
+    another way to choose the prompts, or a draw made before the pool is known."""
+    easy, hard = c['curriculum_easy'], c['curriculum_hard']
+    _need(0 <= hard < easy <= 1,
+          f"curriculum_hard={hard} and curriculum_easy={easy} are pass rates: "
+          f"0 <= curriculum_hard < curriculum_easy <= 1")
+    if not c['curriculum']:
+        return
+    _need(not c['dynamic_sampling'],
+          "curriculum='pass_rate' and dynamic_sampling=True both choose the "
+          "prompts (by their history; by resampling): use one")
+    _need(not c['max_staleness'],
+          f"curriculum='pass_rate' draws each iteration's prompts from the pool "
+          f"as the iteration before left it, max_staleness={c['max_staleness']} "
+          f"samples iterations ahead of it: use one")
 
 
 def check_loss(s):

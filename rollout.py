@@ -44,16 +44,25 @@ def prompt_seed(*key):
     return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def step_rows(train_rows, it, rank, cfg):
+def epoch_order(n, epoch, seed):
+    """(n,) the train rows in the order epoch `epoch` draws them: a seeded reshuffle."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def step_rows(train_rows, it, rank, cfg, pool=None):
     """This rank's prompts of iteration it: a seeded reshuffle of the train set each
     epoch, cut across ranks. The position in the data is a function of the
-    iteration, so a resume needs nothing else."""
+    iteration, so a resume needs nothing else. With a curriculum the pool walks the
+    same positions, skipping retired prompts (lib/curriculum.py), and every rank
+    takes its share of the iteration's walk."""
     n, per_rank = len(train_rows), cfg.prompts_per_step // cfg.world_size
+    if pool is not None:
+        drawn = pool.draw(it)[rank * per_rank:(rank + 1) * per_rank]
+        return [dict(train_rows[i], _id=pos) for i, pos in drawn]
     first = it * cfg.prompts_per_step + rank * per_rank
     positions = range(first, first + per_rank)
     # the one or two epochs the rows fall in
-    order = {epoch: torch.randperm(n, generator=torch.Generator()
-                                   .manual_seed(cfg.seed + epoch))
+    order = {epoch: epoch_order(n, epoch, cfg.seed)
              for epoch in {pos // n for pos in positions}}
     return [dict(train_rows[order[pos // n][pos % n]], _id=pos)
             for pos in positions]
@@ -176,7 +185,8 @@ def is_flat(rewards, G):
     return grouped.amax(1) == grouped.amin(1)
 
 
-def rollout(model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
+def rollout(model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights,
+            pool=None):
     """
     Sample and score this rank's groups of iteration `it` (step_rows; dynamic
     sampling adds extra_rows until enough of them teach something). A group is one
@@ -186,7 +196,8 @@ def rollout(model, train_rows, it, rank, cfg, enc, reward_fns, reward_weights):
     Returns (groups, info): info holds the dropped groups and each phase's seconds.
     """
     G = cfg.num_generations
-    rows, kept, dropped, rounds = step_rows(train_rows, it, rank, cfg), [], 0, 0
+    rows = step_rows(train_rows, it, rank, cfg, pool)
+    kept, dropped, rounds = [], 0, 0
     # each phase's seconds, as nanoGPT takes dt: the clock read after it
     times, since = dict(generate=0.0, reward=0.0), time.perf_counter()
     # once, or with dynamic sampling until the batch holds enough informative groups

@@ -31,6 +31,7 @@ from rollout import (last_counted, make_batch, micro_batches, prompt_seed, rollo
                      rollout_metrics, top_entropy_mask)
 import sft
 from lib import chat, checkpoint, lora, parallelism, stream
+from lib.curriculum import Pool
 from lib.errors import need_package
 from lib.measure import (fastest_dtype, iteration_line, log, matmul_peak, memory_mb,
                          row_flops, update_metrics)
@@ -86,6 +87,12 @@ stale_correction = 'decoupled'  # their objective: 'decoupled' (AReaL), 'tis', '
 truncate_logprobs = True  # top_k/top_p: train on q, what sampled; False: the full softmax
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
 dynamic_sampling, max_resample_rounds = False, 4  # DAPO: resample groups of one reward
+# a curriculum (docs/curriculum.md): prompts leave the draw by their running pass rate
+curriculum = ''  # 'pass_rate': those nearly always right or wrong retire; '' = off
+curriculum_easy = 0.9  # a prompt's pass rate at or above this is too easy
+curriculum_hard = 0.1  # at or below this, too hard
+curriculum_patience = 2  # visits in a row too easy (too hard) before a prompt retires
+curriculum_rest = 2  # the draw passes a retired prompt this often, then it visits once
 env = ''  # multi-turn: lib/envs.py's name or 'module:attribute'; '' = one turn
 max_turns, tool_workers = 4, 4  # with env: turns an episode at most; threads for env.step
 sandbox = 'bwrap'  # the python tool's: 'bwrap' (refused where it cannot isolate), 'none'
@@ -150,6 +157,8 @@ check_device(device)
 distributed, rank, world_size, device = parallelism.init(device)
 # SIGTERM or Ctrl-C: within seconds, a checkpoint of the state before the iteration
 parallelism.catch_stop_signals()
+# a rank whose peer is gone stops with one line naming the last checkpoint
+sys.excepthook = functools.partial(one_line_errors, out_dir=out_dir)
 device_type, master = 'cuda' if 'cuda' in device else 'cpu', rank == 0
 
 # What a setting leaves open is settled here, once, in the globals (config.json keeps it)
@@ -264,7 +273,8 @@ def save(it):
         checkpoint.save(out_dir, it, model=raw_model, optimizer=optimizer,
                         ref_model=ref_model, trainer_state=trainer_state,
                         tokenizer_dir=tokenizer_dir, save_merged=lora_save_merged,
-                        last=saved_it, stream=ahead and ahead.tensors(it))
+                        last=saved_it, stream=ahead and ahead.tensors(it),
+                        curriculum=pool and pool.tensors())
     return it
 
 
@@ -321,6 +331,11 @@ ahead = stream.Stream(
     max_staleness=max_staleness, seed=seed, rank=rank,
     saved=state and checkpoint.load_stream(state['dir'], rank, world_size),
 ) if max_staleness else None
+# the curriculum's pool of prompts: the checkpoint's, or a fresh one
+pool = None
+if curriculum:
+    pool = Pool(len(train_rows), cfg, start=iter_start,
+                saved=state and checkpoint.load_curriculum(state['dir']))
 # MFU's peak, in the dtype the update computes in, and the FLOPs of a row by its length
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]
 flops = row_flops(raw_model, block_size)
@@ -364,7 +379,7 @@ for it in range(iter_start, max_iters + 1):
         if not max_staleness:
             groups, info = rollout(raw_model, train_rows=train_rows, it=it, rank=rank,
                                    cfg=cfg, enc=enc, reward_fns=reward_fns,
-                                   reward_weights=reward_weights)
+                                   reward_weights=reward_weights, pool=pool)
         else:
             # those sampled K versions ago, after this version's are sampled ahead
             groups, info = ahead.take(it)
@@ -438,6 +453,10 @@ for it in range(iter_start, max_iters + 1):
             f"intact. Lower learning_rate or check the rewards, then resume with "
             f"init_from='resume'")
 
+    # every rank's groups move their prompts' pass rates (right: the accuracy's score >= 1)
+    if pool:
+        right = info['scores'][:, reward_fns.index(accuracy)].nan_to_num() >= 1
+        pool.update(right)
     # the log's numbers, once: the update's (norm.item() waits for the device), the rest
     grad_norm, t2 = norm.item(), time.perf_counter()
     speed, update = update_metrics(
@@ -449,7 +468,7 @@ for it in range(iter_start, max_iters + 1):
                    dt=t2 - t0, mem_mb=memory_mb(device), **update, grad_norm=grad_norm,
                    lr=get_lr(max(step - 1, 0)), bad_steps=bad,
                    **{f'time/{k}': v for k, v in times.items()},
-                   **info.get('stale', {}))
+                   **info.get('stale', {}), **(pool.metrics() if pool else {}))
     # evaluations included
     eta = (time.time() - t_loop) / (it + 1 - iter_start) * (max_iters - it - 1)
     if master:

@@ -9,6 +9,7 @@ Checkpoints that survive SIGKILL at any moment.
                               adapter/ (LoRA: PEFT's adapter_config.json + adapter_model.safetensors; the model
                               files beside it are then the frozen base, hard links to the run's previous checkpoint's),
                               merged/ (LoRA's merged model, if asked)
+                              curriculum.safetensors (curriculum='pass_rate': the pool of prompts, lib/curriculum.py)
                               tokenizer.json, generation_config.json... (a checkpoint's tokenizer's, when used)
 
 A checkpoint is written into a temporary directory, every file fsync'd, the directory renamed into place, and only
@@ -92,7 +93,7 @@ def ckpt_dir(out_dir, it):
 
 
 def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=None, save_merged=False, last=None,
-         stream=None):
+         stream=None, curriculum=None):
     """Write checkpoint ckpt-{it} atomically and make it the latest; keep the previous one until then. With
     tokenizer_dir, its tokenizer files are copied in too, so the checkpoint is a whole Hugging Face model directory.
     Every rank calls it: under FSDP the weights are gathered to rank 0 a tensor at a time and each rank writes its own
@@ -101,7 +102,8 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
     holds the base with the adapters merged in, a whole Hugging Face model. last: the iteration of the run's last
     checkpoint (saved or resumed from), if any: with LoRA its frozen base is this one's, so its model files are
     linked, not gathered and written again. stream: this rank's rollouts in flight (lib/stream.py), tensors each rank
-    writes to stream.rank{r}.safetensors."""
+    writes to stream.rank{r}.safetensors. curriculum: the pool of prompts (lib/curriculum.py), the same on every rank:
+    rank 0 writes curriculum.safetensors."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards = parallelism.sharded(model)
     ref_model = None if ref_model is model else ref_model  # LoRA's reference is the base model: nothing to save
@@ -140,6 +142,9 @@ def save(out_dir, it, model, optimizer, ref_model, trainer_state, tokenizer_dir=
         file = os.path.join(tmp, f'stream.rank{rank}.safetensors')
         save_file(stream, file)
         _fsynced(file)
+    if curriculum is not None and rank == 0:
+        save_file(curriculum, os.path.join(tmp, 'curriculum.safetensors'))
+        _fsynced(os.path.join(tmp, 'curriculum.safetensors'))
     parallelism.barrier()  # every shard is on disk before the checkpoint becomes the latest
     if rank == 0:
         write_json(os.path.join(tmp, 'trainer.json'), dict(trainer_state, iter=it))
@@ -243,6 +248,13 @@ def load_stream(path, rank, world_size):
         raise ConfigError(f"{path} holds the rollouts in flight of {len(files)} rank(s); resume it on as many "
                           f"(torchrun --nproc_per_node={len(files)}), this run has {world_size}")
     return _tensors(os.path.join(path, f'stream.rank{rank}.safetensors'))
+
+
+def load_curriculum(path):
+    """The pool of prompts in checkpoint path (lib/curriculum.py's tensors), None if it has none (a run without a
+    curriculum, or before it had one)."""
+    file = os.path.join(path, 'curriculum.safetensors')
+    return _tensors(file) if os.path.exists(file) else None
 
 
 def _tensors(file):

@@ -193,15 +193,17 @@ def log(metrics, line, *, out_dir, wandb=None):
 
 def iteration_line(m, *, max_iters, eta, reward_fns):
     """An iteration's line in the log, from its metrics m (iteration_metrics'); with several
-    reward functions each adds its mean reward (the total is their weighted sum), and a reward
-    model or judge the seconds of scoring."""
+    reward functions each adds its mean reward (the total is their weighted sum), a reward
+    model or judge the seconds of scoring, and a curriculum its pool's sizes (in the draw,
+    too easy, too hard)."""
     each = reward_fns if len(reward_fns) > 1 else ()
     others = ''.join(f" | {f.__name__} {m['reward/' + f.__name__]:.2f}" for f in each)
     models = any(f.__name__.startswith(('rm:', 'judge:')) for f in reward_fns)  # their forwards: a phase worth a look
     return (f"iter {m['iter']}/{max_iters}: reward {m['reward']:.3f}±{m['reward_std']:.3f} | acc {m['acc']:.3f}"
             f"{others} | flat {m['flat_groups']:.2f} | len {m['len_mean']:.1f}/{m['len_max']:.0f} trunc "
             f"{m['truncated']:.2f} | kl {m['kl']:.4f} | entropy {m['entropy']:.2f} | clip {m['clip_ratio/region']:.3f}"
-            + (f" | teacher kl {m['teacher/kl']:.3f}" if 'teacher/kl' in m else "") +
+            + (f" | teacher kl {m['teacher/kl']:.3f}" if 'teacher/kl' in m else "")
+            + (f" | pool {m['pool/active']}/{m['pool/easy']}/{m['pool/hard']}" if 'pool/easy' in m else "") +
             f" | sampler gap {m['sampler/logp_diff']:.1e} kl {m['sampler/kl']:.1e}"
             f" | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} | rollout {m['rollout_tok_s']:.0f} tok/s | train "
             f"{m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | {m['dt']:.2f}s | eta {hms(eta)}" +

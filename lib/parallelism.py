@@ -230,6 +230,13 @@ def check_replicas(model, it):
                            f"saving. This is a bug or a hardware fault; resume from the last checkpoint")
 
 
+def peer_gone(error):
+    """Whether error is a collective failing because another rank is gone (its process died or
+    its connection broke): gloo's transport errors, torch's network ones. Not this rank's bug."""
+    return isinstance(error, dist.DistNetworkError) or (
+        isinstance(error, RuntimeError) and '/gloo/transport/' in str(error))
+
+
 def from_rank0(obj):
     """Rank 0's obj on every rank (a small picklable value; the ranks' own one when not distributed)."""
     if not dist.is_initialized():

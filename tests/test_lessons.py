@@ -6,7 +6,7 @@ working as the code moves. Also: the reading path's links resolve, the names it 
 quotes is still in the source.
 
 LESSONS_CHECK=mine runs the exercise checks on the working tree as it is instead (a student's own answers to
-exercises 1-3 and 6: loss.py, length_penalty.py at the repository root, data.py); exercise 5's
+exercises 1-3 and 6-8: loss.py, length_penalty.py at the repository root, data.py); exercise 5's
 checks then skip.
 """
 import importlib.util
@@ -29,11 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from reward import compute_rewards, exact_match, get_reward_fns  # noqa: E402
 from lib.tokenizer import get_tokenizer  # noqa: E402
+import test_curriculum  # noqa: E402
 
 DOCS = os.path.join(ROOT, "docs")
 SOLUTIONS = os.path.join(DOCS, "solutions")
 MINE = os.environ.get("LESSONS_CHECK") == "mine"
-PATCHABLE = {"loss.py", "rollout.py", "reward.py", "data.py"}  # the others change too often to patch against
+# the others change too often to patch against
+PATCHABLE = {"loss.py", "rollout.py", "reward.py", "data.py", "lib/curriculum.py"}
 DT = torch.float64
 NAN = float("nan")
 _names = itertools.count()
@@ -61,6 +63,15 @@ def apply(patch, directory):
         pytest.skip("git is not installed")
     p = subprocess.run(["git", "apply", "-p1", path], cwd=directory, capture_output=True, text=True)
     assert p.returncode == 0, f"{patch} no longer applies to the current code:\n{p.stdout}{p.stderr}"
+    return directory
+
+
+def unapply(patch, directory):
+    """Take docs/solutions/<patch> out of directory again (git apply -R): a patch that removes an exercise's
+    answer, reversed, is the answer."""
+    p = subprocess.run(["git", "apply", "-R", "-p1", os.path.join(SOLUTIONS, patch)], cwd=directory,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
 
 
 @pytest.mark.skipif(MINE, reason="your working tree holds your own answers, which the solutions need not fit")
@@ -381,7 +392,7 @@ def test_per_micro_batch_tokens_is_caught_by_train_py(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# exercise 6: the reverse-KL advantage. Its solution is loss.py as it is: the exercise's patch
+# exercise 8: the reverse-KL advantage. Its solution is loss.py as it is: the exercise's patch
 # removes the body, so the checks read the working tree either way (with LESSONS_CHECK=mine, a
 # student's own body).
 
@@ -412,7 +423,7 @@ def test_distill_advantages_give_minus_the_kl_s_gradient(distill_advantages):
 
 
 @mine_skip
-def test_the_sixth_exercise_starts_from_an_empty_body(tmp_path):
+def test_the_eighth_exercise_starts_from_an_empty_body(tmp_path):
     """The exercise's patch leaves the docstring alone: the function returns None and the
     page's check fails, on this exercise's tests."""
     directory = student_copy(tmp_path / "student")
@@ -498,7 +509,11 @@ ANSWERS = {
                                        "completions")),
     "reverse": (lambda d: apply("reverse_task.patch", d),
                 lambda d: wrong(os.path.join(d, "data.py"), '"answer": word[::-1]', '"answer": word')),
-    # the code as it is answers exercise 6; the spoilt one has the gap's sign the wrong way round
+    "pass_rate": (lambda d: unapply("pass_rate_pool.patch", apply("pass_rate_pool.patch", d)),
+                  lambda d: wrong(os.path.join(d, "lib", "curriculum.py"), "streak = 0\n", "pass\n")),
+    # the code as it is holds the answer; the exercise's start (the patch: its lines out) fails
+    "stale": (lambda d: None, lambda d: apply("decoupled_removed.patch", d)),
+    # the code as it is answers exercise 8; the spoilt one has the gap's sign the wrong way round
     "distill": (lambda d: None,
                 lambda d: wrong(os.path.join(d, "loss.py"), "teacher_logps - logps",
                                 "logps - teacher_logps")),
@@ -539,8 +554,8 @@ def student_copy(directory):
 
 
 @mine_skip
-@pytest.mark.parametrize("keyword", ["median", "length_penalty", "reverse", "distill"],
-                         ids=["ex1", "ex2", "ex3", "ex6"])
+@pytest.mark.parametrize("keyword", ["median", "length_penalty", "reverse", "pass_rate", "stale", "distill"],
+                         ids=["ex1", "ex2", "ex3", "ex6", "ex7", "ex8"])
 def test_an_exercise_check_passes_a_right_answer_and_fails_a_wrong_one(keyword, tmp_path):
     """Apply the solution, run the page's check: it passes, having run this exercise's tests alone; spoil the
     answer: it fails."""
@@ -563,3 +578,111 @@ def test_the_break_exercise_check_fails_on_the_break(tmp_path):
     apply("per_micro_batch_tokens.patch", directory)
     code, ran, out = run_check(directory, command.group(1))
     assert code == 1 and ran and all("split_invariance" in t for t in ran), out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exercise 6: the curriculum's pass-rate pool (lib/curriculum.py: Pool.retired and Pool.visit)
+
+@pytest.fixture(scope="module")
+def pool_class(tmp_path_factory):
+    """The Pool to check: the working tree's (LESSONS_CHECK=mine), else the solution: the repository's own code,
+    the lines pass_rate_pool.patch removes, put back."""
+    directory = ROOT if MINE else copy_repo(tmp_path_factory.mktemp("pool"))
+    return load(os.path.join(directory, "lib"), "curriculum").Pool
+
+
+def test_pass_rate_by_hand(pool_class):
+    test_curriculum.test_the_pass_rate_and_streak_by_hand(pool_class)
+
+
+def test_pass_rate_retires_and_brings_back(pool_class):
+    test_curriculum.test_a_retired_prompt_is_passed_rest_times_then_visits_once(pool_class)
+
+
+def test_pass_rate_against_a_loop(pool_class):
+    test_curriculum.test_the_pool_brute_force(pool_class)
+
+
+@mine_skip
+def test_the_pool_patch_takes_out_the_answer(tmp_path):
+    """The exercise's start: with the patch applied every pool check fails."""
+    blank = load(os.path.join(apply("pass_rate_pool.patch", copy_repo(tmp_path)), "lib"), "curriculum").Pool
+    for check in (test_curriculum.test_the_pass_rate_and_streak_by_hand,
+                  test_curriculum.test_a_retired_prompt_is_passed_rest_times_then_visits_once,
+                  test_curriculum.test_the_pool_brute_force):
+        with pytest.raises(AssertionError):
+            check(blank)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exercise 7: the objective of stale groups (loss.decoupled_loss), written back
+
+def brute_decoupled(logps, prox, behav, A, mask, eps, clip_max, mode):
+    """AReaL's decoupled PPO by a loop over tokens, from its equation:
+    -w min(r A, clip(r, 1 - eps, 1 + eps) A) with r = pi / pi_prox and w = pi_prox / pi_behav,
+    cut to [0, clip_max] ('token_truncate') or 0 outside it ('token_mask'), summed and divided
+    by the tokens (dapo). Returns (loss, the share of tokens w was cut on)."""
+    total, cut, n = 0.0, 0, int(mask.sum())
+    for i, t in mask.nonzero().tolist():
+        r = torch.exp(logps[i, t] - prox[i, t])
+        w = math.exp(prox[i, t] - behav[i, t])
+        cut += w > clip_max
+        if mode == "token_truncate":
+            w = min(w, clip_max)
+        elif w > clip_max:
+            w = 0.0
+        total = total - w * torch.min(r * A[i], r.clamp(1 - eps, 1 + eps) * A[i])
+    return total / n, cut / n
+
+
+def stale_batch(seed, versions_behind):
+    """A group of 6 rows, 5 tokens, some padding; the proximal policy (the one before this
+    update) and a behaviour policy that drifted from it the more versions behind it sampled."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(5) < torch.tensor([5, 2, 4, 1, 5, 3])[:, None]
+    prox = -3 * torch.rand(6, 5, generator=g, dtype=DT)
+    behav = prox + 0.3 * versions_behind * torch.randn(6, 5, generator=g, dtype=DT)
+    logps = prox + 0.1 * torch.randn(6, 5, generator=g, dtype=DT)
+    return logps, prox, behav, torch.randn(6, generator=g, dtype=DT), mask
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+@pytest.mark.parametrize("versions_behind", [0, 1, 4])
+def test_stale_decoupled_loss_matches_a_loop(mode, versions_behind):
+    import loss
+    for seed in range(3):
+        logps, prox, behav, A, mask = stale_batch(seed, versions_behind)
+        leaf = logps.clone().requires_grad_(True)
+        got, stats = loss.decoupled_loss(leaf, prox, None, A, mask, sampler_logps=behav,
+                                         loss_type="dapo", sampler_correction=mode,
+                                         sampler_correction_clip_max=1.5)
+        got.backward()
+        brute_leaf = logps.clone().requires_grad_(True)
+        want, share = brute_decoupled(brute_leaf, prox, behav, A, mask, 0.2, 1.5, mode)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(leaf.grad, brute_leaf.grad, rtol=1e-12, atol=1e-14)
+        assert stats["stale/clipped"].item() == pytest.approx(share, abs=1e-15)
+        assert versions_behind < 4 or share > 0  # the older the sampler, the more weights are cut
+
+
+def test_stale_group_that_is_fresh_is_plain_grpo_and_a_stale_one_is_not():
+    """Sampled by the proximal policy itself (0 versions behind) the weight is 1: grpo_loss's
+    own gradient. Sampled 4 versions ago it is not, and on its first step (prox None:
+    pi_prox = pi) the ratio is 1, so only w moves it."""
+    import loss
+
+    def grad(fn, logps, *args, **kwargs):
+        leaf = logps.clone().requires_grad_(True)
+        fn(leaf, *args, loss_type="dapo", **kwargs)[0].backward()
+        return leaf.grad
+    logps, prox, behav, A, mask = stale_batch(0, 0)
+    fresh = grad(loss.decoupled_loss, logps, prox, None, A, mask, sampler_logps=behav)
+    torch.testing.assert_close(fresh, grad(loss.grpo_loss, logps, prox, None, A, mask),
+                               rtol=0, atol=0)
+    logps, prox, behav, A, mask = stale_batch(0, 4)
+    plain = grad(loss.grpo_loss, logps, None, None, A, mask)
+    stale = grad(loss.decoupled_loss, logps, None, None, A, mask, sampler_logps=behav)
+    w = torch.exp(logps - behav).clamp(max=3.0)
+    torch.testing.assert_close(stale, torch.where(mask, w * plain, 0.0), rtol=1e-12, atol=1e-15)
+    assert (stale - plain).abs().max() > 1e-3

@@ -48,7 +48,9 @@ def launch(command):
     assert p.returncode == 0, p.stderr[-4000:]
 
 
-@pytest.mark.parametrize('turns', [[], TURNS], ids=['one turn', 'multi-turn'])
+# the stream's rollouts in flight (issue 57): saved or drawn again, the same run
+@pytest.mark.parametrize('turns', [[], TURNS, ['--max_staleness=2']],
+                         ids=['one turn', 'multi-turn', 'two versions behind'])
 def test_sigterm_checkpoints_and_the_printed_command_resumes_bitwise(tmp_path, turns):
     straight = tmp_path / 'straight'
     launch(ARGS + turns + [f'--out_dir={straight}'])

@@ -7,14 +7,16 @@ objectives themselves are checked against a float64 brute force in test_loss.py.
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lib import parallelism, stream
-from test_exact import BASE, launch, max_diff, metric_lines, weights
+from test_exact import BASE, LAYOUT_METRICS, ROOT, TORCHRUN, launch, max_diff, metric_lines, weights
 from test_faults import train_in_process
 
 TINY = BASE + ['--max_iters=6', '--num_iterations=2', '--loss_type=grpo', "--reward_funcs=('exact_match', 'overlong')"]
@@ -150,7 +152,6 @@ def test_a_stop_while_sampling_ahead_resumes_bitwise(policy, tmp_path, monkeypat
 def test_two_ranks_each_with_its_queue_resume_bitwise(policy, tmp_path):
     """Under torchrun each rank streams its own prompts; a stop and resume on 2 ranks is the run never stopped,
     and resuming on another number of ranks is refused in one line."""
-    from test_exact import TORCHRUN
     args = TINY + ['--max_staleness=2', '--max_iters=4']
     two = TORCHRUN + ['--standalone', '--nproc_per_node=2']
     launch([args + [f'--init_from={policy}', f'--out_dir={tmp_path}/straight'],
@@ -172,3 +173,115 @@ def test_bad_stale_settings_are_refused_in_one_line(overrides, message, tmp_path
     c = dict(configure(DEFAULTS, []), out_dir=str(tmp_path), **overrides)
     with pytest.raises(ValueError, match=message):
         check_config(c, world_size=1)
+
+
+# train.py under torchrun, rank 1 killed (SIGKILL, nothing it can catch) where `when` holds on
+# a call of module.name's
+DIES = """
+import os, runpy, signal, sys
+import rollout
+from lib import checkpoint
+
+def dies_in(module, name, when):
+    real = getattr(module, name)
+    def wrapped(*args, **kwargs):
+        if os.environ['RANK'] == '1' and when(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    setattr(module, name, wrapped)
+
+dies_in({where})
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+MOMENTS = {
+    # iteration 3, after its checkpoint, samples iteration 5's groups ahead
+    'sampling ahead': "rollout, 'rollout', lambda *args, it, **kwargs: it == 5",
+    # checkpoint 4 is being written: its rollouts in flight, rank 0's on disk already
+    'writing its rollouts in flight': (
+        "checkpoint, 'save_file', lambda tensors, file: 'ckpt-000004.tmp/stream.rank1' in file"),
+}
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
+@pytest.mark.parametrize('moment', MOMENTS)
+def test_a_rank_that_dies_stops_the_run_in_one_line_and_loses_no_checkpoint(policy, tmp_path,
+                                                                              moment):
+    """K = 2 on 2 ranks, rank 1 killed mid-iteration: rank 0 stops with one line (no traceback)
+    naming the last checkpoint, before the iteration, whole (never one rank 1 did not finish),
+    and resuming from it on 2 ranks is the run never stopped."""
+    args = TINY + ['--max_staleness=2']
+    two = TORCHRUN + ['--standalone', '--nproc_per_node=2']
+    launch([args + [f'--init_from={policy}', f'--out_dir={tmp_path}/straight']], tmp_path, two)
+    (tmp_path / 'dies.py').write_text(DIES.format(where=MOMENTS[moment]))
+    died = tmp_path / 'died'
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
+    p = subprocess.run([*two, str(tmp_path / 'dies.py'), 'train.py', *args,
+                        f'--init_from={policy}', f'--out_dir={died}'],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    said = [line for line in p.stderr.splitlines() if line.startswith('error: rank 0 stopped')]
+    assert len(said) == 1 and 'another rank is gone (' in said[0], p.stderr[-3000:]
+    whole = f"the last checkpoint, {died}/ckpt-000003, is whole: resume with init_from='resume'"
+    assert whole in said[0]
+    # gloo's own message, with its source file, is only in a traceback
+    assert 'gloo/transport' not in p.stderr
+    assert json.load(open(died / 'latest')) == 'ckpt-000003'
+    launch([args + ['--init_from=resume', f'--out_dir={died}']], tmp_path, two, name='resume.json')
+    for file in ('model.safetensors', 'optimizer.safetensors'):
+        assert max_diff(weights(tmp_path / 'straight', file), weights(died, file)) == 0
+    assert metric_lines(tmp_path / 'straight')[3:] == metric_lines(died)[-3:]
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
+def test_every_layout_of_ranks_and_max_rows_learns_the_same(policy, tmp_path):
+    """K = 0, 3 iterations of mu = 2: 1 or 2 ranks, each decoding all its rows at once
+    (max_rows = 0), one group (G) or two (2G) at a time. In float64 refill draws the
+    completions all rows at once do (test_refill.py), so every layout learns the same: metrics
+    and weights bitwise on one rank, to 1e-10 on two (the gradient summed over ranks in another
+    order, as are the metrics but the layout's own), the rewards bitwise on both."""
+    G, results = 4, {}
+    for ranks in (1, 2):
+        launcher = [sys.executable]
+        if ranks > 1:
+            launcher = TORCHRUN + ['--standalone', f'--nproc_per_node={ranks}']
+        launch([TINY + ['--max_iters=3', f'--init_from={policy}', f'--max_rows={m}',
+                        f'--out_dir={tmp_path}/{ranks}-{m}'] for m in (0, G, 2 * G)],
+               tmp_path, launcher, name=f'{ranks}.json')
+        for m in (0, G, 2 * G):
+            out = tmp_path / f'{ranks}-{m}'
+            rows = [{k: v for k, v in r.items() if not k.startswith('mem/')}
+                    for r in metric_lines(out)]
+            results[ranks, m] = weights(out), rows
+    ref_weights, ref_rows = results[1, 0]
+    assert max_diff(ref_weights, load_file(os.path.join(policy, 'model.safetensors'))) > 1e-4
+    assert len(ref_rows) == 3 and len({r['reward'] for r in ref_rows}) > 1
+    for (ranks, m), (got, rows) in results.items():
+        assert max_diff(got, ref_weights) <= (0 if ranks == 1 else 1e-10), (ranks, m)
+        if ranks == 1:
+            assert rows == ref_rows, m
+            continue
+        for got_row, want in zip(rows, ref_rows):
+            assert got_row.keys() == want.keys()
+            # the same completions: their rewards and lengths exactly
+            same = ('reward', 'reward_std', 'len_mean')
+            assert all(got_row[k] == want[k] for k in same), (m, got_row)
+            for k, v in want.items():
+                if k in LAYOUT_METRICS:
+                    continue
+                assert got_row[k] == pytest.approx(v, rel=1e-12, abs=1e-15), (ranks, m, k)
+
+
+def test_the_measurement_script_runs_and_draws_at_toy_size():
+    """docs/make_async_figure.py --check: its runs (K = 0, and 2 with and without the
+    correction) through train.py, its table and its figure, at toy sizes in a temp dir."""
+    p = subprocess.run([sys.executable, 'docs/make_async_figure.py', '--check'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    table = [line.split(' | ') for line in p.stdout.splitlines() if line.startswith('k')]
+    assert [row[0].strip() for row in table] == ['k0-none', 'k2-none', 'k2-decoupled']
+    # an evaluation at 0, 2 and 4 a run
+    assert all(len(json.loads(row[1])) == 3 for row in table), p.stdout
+    pytest.importorskip('matplotlib')
+    assert 'wrote ' in p.stdout and 'async_run.png' in p.stdout
