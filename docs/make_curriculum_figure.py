@@ -13,7 +13,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from scripts.plot import read  # noqa: E402
+from scripts.plot import read, save  # noqa: E402
 
 COLORS = dict(base='tab:blue', curriculum='tab:orange', dynamic='tab:green')
 
@@ -68,12 +68,7 @@ def main(path, runs, P=32, G=8):
     ax_flat.set(xlabel='iteration', ylabel='share of flat groups (10-iteration mean)',
                 title='flat groups in the batch trained on')
     ax_pool.set(xlabel='iteration', ylabel='prompts', title="the curriculum's pool")
-    for ax in (ax_acc, ax_flat, ax_pool):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save(fig, (ax_acc, ax_flat, ax_pool), path, dpi=110)
 
 
 if __name__ == '__main__':

@@ -46,12 +46,17 @@ def main(out_dirs):
                   label=f'{name} pass@1')
     ax_r.set(xlabel='iteration', ylabel='mean reward (train rollouts)', title='reward')
     ax_a.set(xlabel='iteration', ylabel='held-out accuracy', title='held-out accuracy', ylim=(0, 1))
-    for ax in (ax_r, ax_a):
+    save(fig, (ax_r, ax_a), os.path.join(out_dirs[0], 'curves.png'), dpi=120)
+
+
+def save(fig, axes, path, dpi):
+    """Each panel's grid and legend, then the figure written to path (plot_distill.py and
+    docs/make_curriculum_figure.py end their figures with it too)."""
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path = os.path.join(out_dirs[0], 'curves.png')
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     print(f"wrote {path}")
 
 

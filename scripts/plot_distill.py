@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.plot import read  # noqa: E402
+from scripts.plot import read, save  # noqa: E402
 
 
 def curves(out_dir):
@@ -58,12 +58,7 @@ def main(path, runs):
                 ylabel='held-out greedy accuracy', ylim=(0, 1))
     by_kl.set(xlabel='iteration', ylabel='nats per token',
               title='teacher kl, the mean of each tenth of the run')
-    for ax in (by_iter, by_time, by_kl):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save(fig, (by_iter, by_time, by_kl), path, dpi=110)
 
 
 if __name__ == '__main__':
