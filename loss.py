@@ -125,6 +125,7 @@ are the step's token means, the same whatever its layout; the maxima among them
 (MAX_STATS) are the largest of the micro-batches'.
 """
 
+import functools
 import math
 
 import torch
@@ -660,3 +661,17 @@ def truncated_is_loss(logps, old_logps, ref_logps, advantages, mask, **kwargs):
     pi_prox = pi (detached), so the two are one on a rollout's first step.
     """
     return decoupled_loss(logps, None, ref_logps, advantages, mask, **kwargs)
+
+
+def stale_objective(loss_fn, correction):
+    """train.py's loss_fn (grpo_loss with the run's settings by name) made the objective of
+    stale groups: loss.py's decoupled_loss ('decoupled') or truncated_is_loss ('tis'), their
+    weight bounded as the run's sampler_correction says, TIS's truncation where it is 'none';
+    'none': loss_fn itself, the stale groups taken as fresh ones."""
+    if correction == 'none':
+        return loss_fn
+    settings = dict(loss_fn.keywords)
+    if settings['sampler_correction'] == 'none':
+        settings['sampler_correction'] = 'token_truncate'
+    fn = decoupled_loss if correction == 'decoupled' else truncated_is_loss
+    return functools.partial(fn, **settings)

@@ -25,10 +25,10 @@ from configurator import (check_config, check_device, check_fits, check_rewards,
                           run_config)
 from data import load_task
 from evaluate import evaluate, report, with_accuracy
-from loss import MAX_STATS, grpo_loss
+from loss import MAX_STATS, grpo_loss, stale_objective
 from model import GPT, GPTConfig
-from rollout import (last_counted, make_batch, micro_batches, prompt_seed, rollout,
-                     rollout_metrics, top_entropy_mask)
+from rollout import (epoch_order, last_counted, make_batch, micro_batches, prompt_seed,
+                     rollout, rollout_metrics, top_entropy_mask)
 import sft
 from lib import chat, checkpoint, lora, parallelism, stream
 from lib.curriculum import Pool
@@ -259,7 +259,7 @@ loss_fn = functools.partial(
     sampler_correction_clip_max=sampler_correction_clip_max, entropy_coef=entropy_coef)
 # K > 0: the stale groups' objective (loss.py's decoupled_loss or truncated_is_loss)
 if max_staleness:
-    loss_fn = stream.objective(loss_fn, stale_correction)
+    loss_fn = stale_objective(loss_fn, stale_correction)
 
 
 def save(it):
@@ -328,13 +328,13 @@ else:
 ahead = stream.Stream(
     functools.partial(rollout, raw_model, train_rows=train_rows, rank=rank, cfg=cfg,
                       enc=enc, reward_fns=reward_fns, reward_weights=reward_weights),
-    max_staleness=max_staleness, seed=seed, rank=rank,
+    max_staleness=max_staleness, seed_of=lambda j: prompt_seed(seed, j, rank),
     saved=state and checkpoint.load_stream(state['dir'], rank, world_size),
 ) if max_staleness else None
 # the curriculum's pool of prompts: the checkpoint's, or a fresh one
 pool = None
 if curriculum:
-    pool = Pool(len(train_rows), cfg, start=iter_start,
+    pool = Pool(len(train_rows), cfg, start=iter_start, order=epoch_order,
                 saved=state and checkpoint.load_curriculum(state['dir']))
 # MFU's peak, in the dtype the update computes in, and the FLOPs of a row by its length
 peak = peak_flops or matmul_peak(device, cfg.ptdtype)[0]

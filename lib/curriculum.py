@@ -22,7 +22,6 @@ position.
 """
 import torch
 
-from rollout import epoch_order
 from lib.errors import ConfigError
 
 # the newest visit's weight in a prompt's running pass rate: about three visits of memory
@@ -31,10 +30,13 @@ NEWEST = 0.5
 
 class Pool:
 
-    def __init__(self, n, cfg, *, start, saved=None):
+    def __init__(self, n, cfg, *, start, order, saved=None):
         """The pool of n train prompts, at iteration start: fresh (its walk where
-        step_rows' would be) or a checkpoint's tensors (saved, Pool.tensors')."""
+        step_rows' would be) or a checkpoint's tensors (saved, Pool.tensors'). order:
+        rollout.epoch_order, the train rows in the order an epoch draws them (passed in:
+        lib/ never imports the core)."""
         self.cfg, self.orders, self.walked, self.revisits = cfg, {}, None, 0
+        self.order = order
         self.rate = torch.full((n,), float('nan'), dtype=torch.float64)
         self.streak = torch.zeros(n, dtype=torch.long)
         self.skipped = torch.zeros(n, dtype=torch.long)
@@ -58,7 +60,7 @@ class Pool:
         n = len(self.rate)
         epoch = position // n
         if epoch not in self.orders:
-            self.orders = {epoch: epoch_order(n, epoch, self.cfg.seed).tolist()}
+            self.orders = {epoch: self.order(n, epoch, self.cfg.seed).tolist()}
         return self.orders[epoch][position % n]
 
     def draw(self, it):

@@ -19,21 +19,19 @@ A checkpoint before iteration it holds the rollouts in flight that an older vers
 as tensors (checkpoint.save's stream.rank{r}.safetensors: each rank has its own queue);
 those the saved weights sampled are drawn again on resume, from their seeds: the same groups.
 """
-import functools
-
 import torch
 
-from loss import decoupled_loss, truncated_is_loss
-from rollout import prompt_seed
 from lib.errors import ConfigError
 
 
 class Stream:
 
-    def __init__(self, sample, *, max_staleness, seed, rank, saved=None):
+    def __init__(self, sample, *, max_staleness, seed_of, saved=None):
         """sample(it=j) -> (groups, info): rollout.rollout's of iteration j, with the weights
-        as they are at the call. saved: a checkpoint's tensors (checkpoint.load_stream)."""
-        self.sample, self.K, self.seed, self.rank = sample, max_staleness, seed, rank
+        as they are at the call. seed_of(j): iteration j's seed of the global generator
+        (train.py's: rollout.prompt_seed of the run's seed, j and the rank). saved: a
+        checkpoint's tensors (checkpoint.load_stream)."""
+        self.sample, self.K, self.seed_of = sample, max_staleness, seed_of
         self.rollouts = rollouts_of(saved or {})
         for j, (groups, _) in self.rollouts.items():
             version = groups[0]['version']
@@ -50,10 +48,10 @@ class Stream:
         for j in range(it, it + self.K + 1):
             if j not in self.rollouts:
                 # an iteration's randomness is its own, however far ahead it is drawn
-                torch.manual_seed(prompt_seed(self.seed, j, self.rank))
+                torch.manual_seed(self.seed_of(j))
                 groups, info = self.sample(it=j)
                 self.rollouts[j] = [dict(g, version=it) for g in groups], info
-        torch.manual_seed(prompt_seed(self.seed, it, self.rank))
+        torch.manual_seed(self.seed_of(it))
         groups, info = self.rollouts[it]
         stale = [it - group['version'] for group in groups]
         # admission makes this impossible: a bug if not
@@ -96,20 +94,6 @@ def rollouts_of(tensors):
             group.update(prompt=group['prompt'].tolist(), version=int(group['version']))
         rollouts[j] = groups, info
     return rollouts
-
-
-def objective(loss_fn, correction):
-    """train.py's loss_fn (grpo_loss with the run's settings by name) made the objective of
-    stale groups: loss.py's decoupled_loss ('decoupled') or truncated_is_loss ('tis'), their
-    weight bounded as the run's sampler_correction says, TIS's truncation where it is 'none';
-    'none': loss_fn itself, the stale groups taken as fresh ones."""
-    if correction == 'none':
-        return loss_fn
-    settings = dict(loss_fn.keywords)
-    if settings['sampler_correction'] == 'none':
-        settings['sampler_correction'] = 'token_truncate'
-    fn = decoupled_loss if correction == 'decoupled' else truncated_is_loss
-    return functools.partial(fn, **settings)
 
 
 def line(m):

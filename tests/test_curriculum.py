@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import rollout
 from lib import curriculum
@@ -39,7 +38,7 @@ def test_the_pass_rate_and_streak_by_hand(Pool=Pool):
     (the EMA, the newest weighing half: active again), 0.4375, ... 0.02734375 (too hard twice); easy at 0.9, hard
     at 0.1, patience 2."""
     cfg = settings(prompts_per_step=1, curriculum_rest=3)
-    pool = Pool(1, cfg, start=0)
+    pool = Pool(1, cfg, start=0, order=rollout.epoch_order)
     want = [(4, 1.0, 1), (4, 1.0, 2), (3, 0.875, 0), (0, 0.4375, 0), (0, 0.21875, 0), (0, 0.109375, 0),
             (0, 0.0546875, -1), (0, 0.02734375, -2)]
     for it, (right, rate, streak) in enumerate(want):
@@ -63,7 +62,7 @@ def test_with_nothing_retired_the_walk_draws_todays_prompts(ranks):
     """Thresholds no visit reaches: the walk is step_rows' draw, position for position, over several epochs
     (5 rows, 4 prompts an iteration: the iterations straddle epochs), on every rank."""
     cfg = settings(prompts_per_step=4, world_size=ranks, curriculum_easy=1.0, curriculum_hard=0.0)
-    pool = Pool(5, cfg, start=0)
+    pool = Pool(5, cfg, start=0, order=rollout.epoch_order)
     rows = [dict(i=i) for i in range(5)]
     for it in range(12):
         mine = [[(r['i'], r['_id']) for r in rollout.step_rows(rows, it, rank, cfg, pool)] for rank in range(ranks)]
@@ -79,7 +78,7 @@ def test_a_retired_prompt_is_passed_rest_times_then_visits_once(Pool=Pool):
     passes it twice (its positions skipped), visits it on the third pass, and a visit half right makes it active
     again: a forgotten skill is seen."""
     cfg = settings(prompts_per_step=1, curriculum_patience=1, curriculum_rest=2)
-    pool = Pool(3, cfg, start=0)
+    pool = Pool(3, cfg, start=0, order=rollout.epoch_order)
     walk = [row for e in range(5) for row in rollout.epoch_order(3, e, cfg.seed).tolist()]
     A = walk[0]
     visits, passed, position = [], [], 0
@@ -103,7 +102,7 @@ def test_the_pool_brute_force(Pool=Pool):
     cfg = settings(prompts_per_step=4, world_size=2, curriculum_easy=0.7, curriculum_hard=0.3,
                    curriculum_patience=2, curriculum_rest=2)
     n, G, g = 6, cfg.num_generations, torch.Generator().manual_seed(0)
-    pool = Pool(n, cfg, start=0)
+    pool = Pool(n, cfg, start=0, order=rollout.epoch_order)
     rate, streak, skipped, position = [None] * n, [0] * n, [0] * n, 0
     orders = [rollout.epoch_order(n, e, cfg.seed).tolist() for e in range(200)]
     for it in range(60):
@@ -132,10 +131,10 @@ def test_the_pool_brute_force(Pool=Pool):
 
 def test_a_checkpoint_of_another_task_is_refused():
     cfg = settings()
-    saved = Pool(5, cfg, start=3).tensors()
+    saved = Pool(5, cfg, start=3, order=rollout.epoch_order).tensors()
     assert saved['position'].item() == 3 * 2 and saved['iter'].item() == 3
     with pytest.raises(ValueError, match='tracks 5 train prompts, this run has 6: resume on the same task'):
-        Pool(6, cfg, start=3, saved=saved)
+        Pool(6, cfg, start=3, order=rollout.epoch_order, saved=saved)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,8 +13,11 @@ import time
 
 import pytest
 import torch
+
 from safetensors.torch import load_file
 
+import loss
+from rollout import prompt_seed
 from lib import parallelism, stream
 from test_exact import BASE, LAYOUT_METRICS, ROOT, TORCHRUN, launch, max_diff, metric_lines, weights
 from test_faults import train_in_process
@@ -35,7 +38,7 @@ def fake_rollouts(log):
 @pytest.mark.parametrize('K', [1, 2, 4])
 def test_the_schedule_trains_k_versions_behind_and_drops_nothing(K):
     log = dict(drawn=[], weights=0)
-    ahead = stream.Stream(fake_rollouts(log), max_staleness=K, seed=1, rank=0)
+    ahead = stream.Stream(fake_rollouts(log), max_staleness=K, seed_of=lambda j: prompt_seed(1, j, 0))
     for it in range(10):
         groups, info = ahead.take(it)
         drawn_it, sampled_by = groups[0]['tokens'][0].tolist()
@@ -51,13 +54,13 @@ def test_a_checkpoint_keeps_what_older_versions_sampled():
     """tensors(it) holds the rollouts in flight that versions before it sampled, and they come back as they were;
     the ones the saved weights sampled are drawn again, the same."""
     log = dict(drawn=[], weights=0)
-    ahead = stream.Stream(fake_rollouts(log), max_staleness=3, seed=1, rank=0)
+    ahead = stream.Stream(fake_rollouts(log), max_staleness=3, seed_of=lambda j: prompt_seed(1, j, 0))
     for it in range(5):
         ahead.take(it)
         log['weights'] += 1
     saved = ahead.tensors(5)
     assert sorted({int(k.split('.')[0]) for k in saved}) == [5, 6, 7]  # 8 was drawn by version 4: not kept
-    again = stream.Stream(fake_rollouts(dict(drawn=[], weights=5)), max_staleness=3, seed=1, rank=0,
+    again = stream.Stream(fake_rollouts(dict(drawn=[], weights=5)), max_staleness=3, seed_of=lambda j: prompt_seed(1, j, 0),
                           saved=saved)
     for j in (5, 6, 7):
         (a,), info_a = ahead.rollouts[j]
@@ -65,7 +68,7 @@ def test_a_checkpoint_keeps_what_older_versions_sampled():
         assert a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
         assert info_a == info_b
     with pytest.raises(ValueError, match='resume with max_staleness >= 3'):
-        stream.Stream(None, max_staleness=2, seed=1, rank=0, saved=saved)
+        stream.Stream(None, max_staleness=2, seed_of=lambda j: prompt_seed(1, j, 0), saved=saved)
 
 
 def stale_keys(rows):
@@ -77,8 +80,9 @@ def test_k0_is_todays_run_bitwise(policy, tmp_path, monkeypatch):
     stale_correction is that run, bitwise: metrics and checkpoint."""
     def untouched(*args, **kwargs):
         raise AssertionError("the stream was used with max_staleness=0")
-    for name in ('Stream', 'objective', 'line', 'rollouts_of'):
+    for name in ('Stream', 'line', 'rollouts_of'):
         monkeypatch.setattr(stream, name, untouched)
+    monkeypatch.setattr(loss, 'stale_objective', untouched)
     args = BASE + ['--max_iters=4', '--num_iterations=2', f'--init_from={policy}', '--sft_iters=0']
     train_in_process(args + [f'--out_dir={tmp_path}/absent'])
     train_in_process(args + ['--max_staleness=0', '--stale_correction=tis', f'--out_dir={tmp_path}/k0'])

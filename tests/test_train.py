@@ -17,8 +17,10 @@ from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.listdir(os.path.join(ROOT, 'config')))
-# recipes that start from downloaded weights run below on a tiny checkpoint of the same family
-REAL = [f for f in CONFIGS if 'init_from' in open(os.path.join(ROOT, 'config', f)).read()]
+# recipes that start from downloaded weights run below on a tiny checkpoint of the same family; one that learns
+# from a teacher the user trains first (config/distill_smollm2.py) is run by test_config with a stand-in teacher
+REAL = [f for f in CONFIGS
+        if any(key in open(os.path.join(ROOT, 'config', f)).read() for key in ('init_from', 'teacher ='))]
 RECIPES = [f for f in CONFIGS if f not in REAL]
 # a tiny model and batch: seconds per run. 4 prompts x 4 completions = 16 rows per rollout, micro-batches of 4
 # split evenly into 1, 2 or 4 optimizer steps per rollout (the recipes' steps_per_generation), on 1 or 2 ranks
