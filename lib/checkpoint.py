@@ -24,7 +24,6 @@ import shutil
 import signal
 import sys
 
-import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
