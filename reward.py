@@ -326,19 +326,17 @@ def _culprit(fn, prompts, completions, columns):
             return c, None
     return None, None
 
-def _call(fn, prompts, completions, columns):
-    """fn's rewards as floats or None, after checking that there is one finite number
-    (or None) per completion. Bools are accepted as 1.0/0.0, so a verifier may return
-    its pass/fail test as is."""
+def _fail(fn, prompts, completions, columns, values=None, error=None):
+    """Raise the ConfigError that says what fn did wrong: it raised `error`, or returned
+    `values` that are not one finite number (or None) per completion. Called only then:
+    it calls fn on one completion at a time to name the culprit."""
     name, n = fn.__name__, len(completions)
-    try:
-        values = fn(prompts, completions, **columns)
-    except Exception as e:
+    if error is not None:
         culprit, its_error = _culprit(fn, prompts, completions, columns)
         if its_error is None:
-            raise ConfigError(f"reward function {name} raised {_one_line(e)} on a batch of {n} "
-                              f"completions (but on none of them alone), "
-                              f"e.g. {_show(completions[0])}") from e
+            raise ConfigError(f"reward function {name} raised {_one_line(error)} on a batch "
+                              f"of {n} completions (but on none of them alone), "
+                              f"e.g. {_show(completions[0])}") from error
         raise ConfigError(f"reward function {name} raised {_one_line(its_error)} "
                           f"on completion {_show(culprit)}") from its_error
     if not isinstance(values, list):
@@ -347,18 +345,18 @@ def _call(fn, prompts, completions, columns):
                           f"e.g. for {_show(completions[0])}")
     if len(values) != n:
         culprit, _ = _culprit(fn, prompts, completions, columns)
-        where = (f"; called alone on completion {_show(culprit)} it does not return one value"
-                 if culprit is not None else "")
+        where = (f"; called alone on completion {_show(culprit)} it does not return one "
+                 f"value" if culprit is not None else "")
         raise ConfigError(f"reward function {name} returned {len(values)} values "
                           f"for {n} completions{where}")
     for v, c in zip(values, completions):
         if v is not None and not isinstance(v, numbers.Real):
-            raise ConfigError(f"reward function {name} returned {_show(v)} (a {type(v).__name__}) "
-                              f"for completion {_show(c)}; a reward must be a number or None")
+            raise ConfigError(f"reward function {name} returned {_show(v)} (a "
+                              f"{type(v).__name__}) for completion {_show(c)}; a reward "
+                              f"must be a number or None")
         if v is not None and not math.isfinite(v):
-            raise ConfigError(f"reward function {name} returned {v} for completion {_show(c)}; "
-                              f"a reward must be finite")
-    return [None if v is None else float(v) for v in values]
+            raise ConfigError(f"reward function {name} returned {v} for completion "
+                              f"{_show(c)}; a reward must be finite")
 
 def compute_rewards(reward_fns, weights, prompts, completions, columns):
     """Score completions with every reward function. Returns (total, per_function):
@@ -378,7 +376,19 @@ def compute_rewards(reward_fns, weights, prompts, completions, columns):
         if isinstance(value, list) and len(value) != len(completions):
             raise ConfigError(f"{key} has {len(value)} entries for {len(completions)} completions; "
                               f"they must align")
-    per_function = {fn.__name__: _call(fn, prompts, completions, columns) for fn in reward_fns}
+    per_function = {}
+    for fn in reward_fns:
+        try:
+            values = fn(prompts, completions, **columns)
+        except Exception as e:
+            _fail(fn, prompts, completions, columns, error=e)
+        # one finite number (or None) per completion; bools count as 1.0/0.0, so a
+        # verifier may return its pass/fail test as is
+        if not (isinstance(values, list) and len(values) == len(completions) and all(
+                v is None or isinstance(v, numbers.Real) and math.isfinite(v)
+                for v in values)):
+            _fail(fn, prompts, completions, columns, values=values)
+        per_function[fn.__name__] = [None if v is None else float(v) for v in values]
     total = []
     for i in range(len(completions)):
         given = [w * values[i] for w, values in zip(weights, per_function.values())

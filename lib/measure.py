@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import time
+from datetime import timedelta
 
 import torch
 
@@ -159,12 +160,6 @@ def memory_mb(device):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
-def hms(seconds):
-    """7m05s, or 01:02:03 from an hour up: for eta and elapsed times in progress lines."""
-    return time.strftime('%H:%M:%S', time.gmtime(seconds)) if seconds >= 3600 else \
-        f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
-
-
 def ticker(what, total, unit, interval):
     """A progress line for a long phase (warm start, evaluation): tick(done) prints `what: done/total unit (elapsed,
     eta)` at most every interval seconds (math.inf: never, as on all ranks but the first), so short phases stay
@@ -176,7 +171,8 @@ def ticker(what, total, unit, interval):
         now = time.time()
         if now - last >= interval and done < total:
             eta = (now - t0) / done * (total - done)
-            print(f"{what}: {done}/{total} {unit}{extra} ({hms(now - t0)}, eta {hms(eta)})", flush=True)
+            elapsed, eta = timedelta(seconds=round(now - t0)), timedelta(seconds=round(eta))
+            print(f"{what}: {done}/{total} {unit}{extra} ({elapsed}, eta {eta})", flush=True)
             last = now
     return tick
 
@@ -206,6 +202,7 @@ def iteration_line(m, *, max_iters, eta, reward_fns):
             + (f" | pool {m['pool/active']}/{m['pool/easy']}/{m['pool/hard']}" if 'pool/easy' in m else "") +
             f" | sampler gap {m['sampler/logp_diff']:.1e} kl {m['sampler/kl']:.1e}"
             f" | gnorm {m['grad_norm']:.2f} | lr {m['lr']:.1e} | rollout {m['rollout_tok_s']:.0f} tok/s | train "
-            f"{m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | {m['dt']:.2f}s | eta {hms(eta)}" +
+            f"{m['train_tok_s']:.0f} tok/s | mfu {100 * m['mfu']:.1f}% | {m['dt']:.2f}s | eta "
+            f"{timedelta(seconds=round(eta))}" +
             (f" | scoring {m['time/reward']:.2f}s" if models else "") +
             (f" | {m['bad_steps']} non-finite step(s) skipped" if m['bad_steps'] else ""))

@@ -264,6 +264,16 @@ def test_imports_run_one_way():
             assert not bad, f"lib/{f} imports {bad}"
 
 
+def test_one_plain_iteration_reads_in_40_functions():
+    """Issue 56's measure of how plain the loop reads: scripts/count_calls.py's plain path (one single-turn
+    iteration, plain=True) calls at most 40 named functions in at most 8 files of the project."""
+    out = subprocess.run([sys.executable, "-m", "scripts.count_calls"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    functions, files = map(int, re.search(r"the plain path: one iteration ran (\d+) named functions in (\d+) files",
+                                          out).groups())
+    assert functions <= 40 and files <= 8, out
+
+
 def packing_case(case):
     """(idx, start, need, size) of test_micro_batches...: rows of their own prompts; groups of rows sharing one; and
     two groups laid out in one sequence, a prompt's second row after the other prompt's tokens."""
