@@ -139,7 +139,7 @@ def test_recipe_runs_two_iterations(tmp_path):
     """config/smollm2.py as written, on a few prompts with short completions: the run trains the real model and
     writes a whole Hugging Face directory (weights and the GGUF's tokenizer)."""
     out = tmp_path / "out"
-    p = run(["config/smollm2.py", "--max_iters=2", "--block_size=64", "--max_completion_length=6",
+    p = run(["config/smollm2.py", "--max_iters=2", "--block_size=64", "--max_completion_length=6", "--prompts_per_step=4",
              "--eval_size=4", "--eval_interval=2", "--save_interval=2", "--task_options={}", "--sft_iters=0"], out)
     assert [m["iter"] for m in metrics(out) if "reward" in m] == [0, 1] and "eval 2: greedy acc" in p.stdout
     ckpt = os.path.join(out, json.load(open(out / "latest")))
@@ -152,7 +152,8 @@ def test_judge_recipe_runs_two_iterations(tmp_path):
     """config/judge.py as written, small: SmolLM2 judges its own answers (the reward its P(Yes) / (P(Yes) + P(No))),
     the verifiers beside it are measured and weigh nothing."""
     out = tmp_path / "out"
-    p = run(["config/judge.py", "--max_iters=2", "--block_size=96", "--max_completion_length=6", "--eval_size=4",
+    p = run(["config/judge.py", "--max_iters=2", "--block_size=96", "--max_completion_length=6", "--prompts_per_step=4",
+             "--eval_size=4",
              "--eval_interval=2", "--save_interval=0", "--task_options={}", "--sft_iters=0"], out)
     rows = [m for m in metrics(out) if "reward" in m]
     assert [m["iter"] for m in rows] == [0, 1] and "eval 2: greedy acc" in p.stdout
