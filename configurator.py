@@ -254,7 +254,7 @@ def check_config(c, world_size, distributed=False):
           "rather than those of top_k/top_p's truncated distribution, but "
           "neither is set, so every log-prob is the full softmax's already: "
           "drop it")
-    check_distillation(c, distributed)
+    check_distillation(c)
     check_curriculum(c)
     check_loss(c)
     check_sampling(c['top_k'], c['top_p'])
@@ -265,7 +265,7 @@ def check_config(c, world_size, distributed=False):
           f"out_dir='{c['out_dir']}' holds another run ({', '.join(held)}); "
           f"{resume}name another out_dir, or say overwrite=True to replace it")
 
-def check_distillation(c, distributed):
+def check_distillation(c):
     """On-policy distillation's settings (docs/distillation.md): a teacher that
     exists, a weight and a discount that do something."""
     teacher = c['teacher']
@@ -280,9 +280,6 @@ def check_distillation(c, distributed):
           f"teacher='' turns distillation off")
     _need(0 <= c['teacher_discount'] <= 1,
           f"teacher_discount={c['teacher_discount']} must be in [0, 1]")
-    _need(not distributed or c['parallel'] != 'fsdp',
-          "a teacher is not sharded: parallel='fsdp' would hold a whole copy "
-          "on every rank; use parallel='ddp' with a teacher")
 
 
 def check_curriculum(c):

@@ -217,12 +217,14 @@ if lora_rank:
 bf16 = device_type == 'cuda' and dtype == 'bfloat16'
 model, raw_model = parallelism.wrap(model, device=device, fsdp=fsdp, bf16=bf16,
                                     compile=compile, cuda_graphs=cuda_graphs)
-# on-policy distillation's teacher: frozen, in its own dtype, a whole copy on each rank
+# on-policy distillation's teacher: frozen, in its own dtype; under FSDP sharded
+# as the policy is (rank 0 reads it), else a whole copy on each rank
 teacher_model = None
 if teacher:
-    teacher_model = GPT.from_pretrained(teacher, dtype=getattr(torch, teacher_dtype))
+    teacher_model = GPT.from_pretrained(teacher, dtype=getattr(torch, teacher_dtype),
+                                        device='meta' if fsdp and not master else None)
     check_teacher(teacher_model.config, enc, cfg)
-    teacher_model.to(device).eval().requires_grad_(False)
+    teacher_model = parallelism.frozen(teacher_model, device=device, fsdp=fsdp)
 
 
 def make_optimizer(lr):
@@ -462,7 +464,8 @@ for it in range(iter_start, max_iters + 1):
     speed, update = update_metrics(
         stats, shapes, maxima=MAX_STATS, steps=num_iterations * steps_per_generation,
         seconds=t2 - t1, flops=flops, peak=peak, world_size=world_size,
-        distributed=distributed, held=(raw_model, optimizer, ref_model))
+        distributed=distributed,
+        held=(raw_model, optimizer, ref_model, teacher_model))
     times = dict(info['time'], update=t2 - t1)
     metrics = dict(iter=it, **rollout_metrics(info, cfg, reward_fns, accuracy), **speed,
                    dt=t2 - t0, mem_mb=memory_mb(device), **update, grad_norm=grad_norm,

@@ -105,8 +105,9 @@ def update_metrics(stats, shapes, *, maxima, steps, seconds, flops, peak, world_
     padding's share and the share of the rows' tokens that sharing a prompt saved. The same
     whatever the layout. MFU: all ranks' FLOPs over what world_size devices of `peak` FLOP/s each
     could do in those seconds, so that it reads the same at every world size. held: (model,
-    optimizer, reference model or None), whose tensors this rank holds for training (under FSDP
-    its shards): their MB. Returns (the speed: tokens/s and MFU, the stats, shares and memory)."""
+    optimizer, reference model or None, teacher or None), whose tensors this rank holds for
+    training (under FSDP its shards): their MB, the teacher's only with one. Returns (the speed:
+    tokens/s and MFU, the stats, shares and memory)."""
     total = {}
     for micro_batch in stats:
         for k, v in micro_batch.items():
@@ -124,7 +125,7 @@ def update_metrics(stats, shapes, *, maxima, steps, seconds, flops, peak, world_
              for i, k in enumerate(total)}
     speed = dict(train_tok_s=tokens / seconds, mfu=flops / seconds / (peak * world_size))
     shares = dict(pad_share=1 - not_padding / tokens, saved_share=1 - not_padding / row_tokens)
-    model, optimizer, ref_model = held
+    model, optimizer, ref_model, teacher = held
     local = lambda t: t.to_local() if hasattr(t, 'to_local') else t  # an FSDP shard's own part
     size = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts) / 2**20
     params = list(model.parameters())  # a tied weight once
@@ -134,6 +135,8 @@ def update_metrics(stats, shapes, *, maxima, steps, seconds, flops, peak, world_
               'mem/optimizer_mb': size(v for state in optimizer.state.values()
                                        for v in state.values() if torch.is_tensor(v)),
               'mem/ref_mb': size(ref_model.parameters()) if ref_model not in (None, model) else 0.0}
+    if teacher is not None:
+        memory['mem/teacher_mb'] = size(teacher.parameters())
     return speed, dict(means, **shares, **memory)
 
 

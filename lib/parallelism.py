@@ -62,15 +62,20 @@ def load_whole(model, read):
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
+def _shard_from_rank0(model, device, bf16):
+    """Shard model in place, each rank's shards sent by rank 0 (the others built it on the meta device)."""
+    whole = model.state_dict() if dist.get_rank() == 0 else {}
+    shard(model, bf16)
+    load_whole(model.to_empty(device=device), lambda: whole)
+
+
 def wrap(model, *, device, fsdp, bf16, compile, cuda_graphs=False):
     """The policy ready to train: under FSDP sharded in place, each rank's shards sent by rank 0 (the others built
     it on the meta device); compiled if asked; under torchrun with DDP, wrapped in DistributedDataParallel; on CUDA
     with cuda_graphs, generate's decode steps replayed as CUDA graphs (lib/cuda_graphs.py). Returns (the module the
     training forward calls, the model itself: what the sampler, the optimizer and checkpoints use)."""
     if fsdp:
-        whole = model.state_dict() if dist.get_rank() == 0 else {}
-        shard(model, bf16)
-        load_whole(model.to_empty(device=device), lambda: whole)
+        _shard_from_rank0(model, device, bf16)
     raw, on_cuda = model, 'cuda' in str(device)
     raw.decode_graphs = cuda_graphs and on_cuda
     if compile:
@@ -95,6 +100,21 @@ def frozen_copy(model, *, device, dtype, bf16, saved=None):
     else:
         ref.load_state_dict(model.state_dict())
     return ref
+
+
+def frozen(model, *, device, fsdp):
+    """A model that is run but never trained (on-policy distillation's teacher), frozen, in its own dtype. Under FSDP
+    sharded as wrap shards the policy (rank 0 read it), without mixed precision: each forward gathers one block at a
+    time and frees it after, so no rank holds the whole model. Else whole on device."""
+    model.eval().requires_grad_(False)
+    if fsdp:
+        _shard_from_rank0(model, device, bf16=False)
+        # FSDP keeps the root's weights (the embeddings, the output layer) gathered after a forward, for the backward
+        # that would follow; a frozen model runs none, so they would stay whole on every rank
+        model.set_reshard_after_forward(True)
+    else:
+        model.to(device)
+    return model
 
 
 @torch.no_grad()

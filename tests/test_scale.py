@@ -28,14 +28,14 @@ def rollouts(out_dir):
     return [{k: v for k, v in m.items() if not k.startswith('mem/')} for m in metric_lines(out_dir)]
 
 
-def same_rollouts(a, b):
+def same_rollouts(a, b, stats=STATS):
     """The same rewards, lengths and counts; the loss's stats to rounding (an all-reduce and a reduce-scatter may
     round a gradient's last bit differently, and mu = 2's second pass sees that)."""
     a, b = rollouts(a), rollouts(b)
     assert [m.keys() for m in a] == [m.keys() for m in b]
     for x, y in zip(a, b):
         for k in x:
-            assert abs(x[k] - y[k]) <= 1e-9 * max(1, abs(x[k])) if k in STATS else x[k] == y[k], (k, x[k], y[k])
+            assert abs(x[k] - y[k]) <= 1e-9 * max(1, abs(x[k])) if k in stats else x[k] == y[k], (k, x[k], y[k])
 
 
 def test_fsdp_equals_ddp_and_one_rank(policy, tmp_path):

@@ -377,10 +377,17 @@ def test_update_metrics_counts_each_micro_batch_once():
     for world_size in (1, 2):
         speed, rest = measure.update_metrics(stats, shapes, maxima=('top',), steps=1, seconds=2.0,
                                              flops=measure.row_flops(model, 32), peak=1e9, world_size=world_size,
-                                             distributed=False, held=(model, optimizer, None))
+                                             distributed=False, held=(model, optimizer, None, None))
         assert speed['mfu'] == pytest.approx(flops / 2.0 / (1e9 * world_size), rel=1e-12)
     assert speed['train_tok_s'] == (4 * 20 + 3 * 32) / 2.0 and rest['kl'] == 0.75 and rest['top'] == 2.0
     assert rest['pad_share'] == pytest.approx(1 - 160 / 176) and rest['saved_share'] == pytest.approx(1 - 160 / 176)
     params = sum(p.numel() for p in model.parameters()) * 4 / 2**20
     assert rest['mem/params_mb'] == rest['mem/grads_mb'] == pytest.approx(params) and rest['mem/ref_mb'] == 0
     assert rest['mem/optimizer_mb'] == pytest.approx(2 * params, rel=0.01)  # and a step count per tensor
+    # a teacher's weights only with one (a run without keeps its metrics' keys)
+    assert 'mem/teacher_mb' not in rest
+    teacher = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).double()
+    _, rest = measure.update_metrics(stats, shapes, maxima=('top',), steps=1, seconds=2.0,
+                                     flops=measure.row_flops(model, 32), peak=1e9, world_size=1,
+                                     distributed=False, held=(model, optimizer, None, teacher))
+    assert rest['mem/teacher_mb'] == sum(p.numel() for p in teacher.parameters()) * 8 / 2**20
