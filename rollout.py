@@ -34,7 +34,7 @@ from reward import compute_rewards
 from lib import multiturn, packing
 from lib.chat import encode_prompt, text_of
 from lib.lora import adapters_off, merged
-from lib.parallelism import gather, gathered
+from lib.parallelism import all_sum, gather, gathered
 
 
 def prompt_seed(*key):
@@ -298,6 +298,10 @@ def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights, teache
                 else mine)
     info.update(zip(columns, everyone.T.contiguous()),
                 scores=everyone[:, len(columns):].contiguous())
+    # dynamic sampling: each rank resampled its own flat groups; the log counts all
+    if cfg.dynamic_sampling and cfg.world_size > 1:
+        dropped = torch.tensor(float(info['dropped_groups']), device=cfg.device)
+        info['dropped_groups'] = round(all_sum(dropped).item())
     # GDPO: each function on its own
     if cfg.multi_objective_aggregation == 'normalize_then_sum':
         advantages = decoupled_advantages(info['scores'], reward_weights, G)

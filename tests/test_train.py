@@ -69,6 +69,19 @@ def test_torchrun_two_processes_writes_a_loadable_checkpoint(tmp_path):
     assert all(0 < m['mfu'] < 1 for m in rows)  # against the peak measured at start
 
 
+def test_dynamic_sampling_logs_every_rank_s_dropped_groups(tmp_path):
+    """DAPO's dynamic sampling on 2 ranks with no resampling round: each rank drops its flat groups and, out of
+    rounds, fills its batch back with them, so the log's dropped_groups is the flat share of the whole batch times
+    its prompts (rank 0's count alone fails it whenever rank 1 has a flat group)."""
+    out = tmp_path / 'out'
+    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
+    run(['config/dapo.py', '--max_iters=3', '--max_resample_rounds=0', '--eval_interval=0', '--save_interval=0'],
+        out, launcher=torchrun)
+    rows = [m for m in metrics(out) if 'reward' in m]
+    assert [m['dropped_groups'] for m in rows] == [round(4 * m['flat_groups']) for m in rows]
+    assert any(m['dropped_groups'] for m in rows)
+
+
 def test_a_checkpoint_is_evaluated_without_training(tmp_path):
     """README's evaluation command: max_iters=0 from a checkpoint runs the held-out evaluation alone, and writes
     nothing but its metrics line (no checkpoint, no warm start)."""
