@@ -8,6 +8,7 @@ $ python docs/make_curriculum_figure.py assets/curriculum_run.png out-curr/full/
 
 draws the runs (each named by its folder) into the PNG and prints the numbers the page quotes. Needs matplotlib.
 """
+import json
 import os
 import sys
 
@@ -18,11 +19,14 @@ from scripts.plot import read, save  # noqa: E402
 COLORS = dict(base='tab:blue', curriculum='tab:orange', dynamic='tab:green')
 
 
-def curves(run, P, G):
+def curves(run):
     """The iterations' and evaluations' metrics, and the completions sampled before each
-    iteration: P groups of G, but where dynamic sampling dropped flat groups (one process:
-    dropped_groups are all of them), it sampled those and the batch's other groups."""
+    iteration: P groups of G (the run's config.json), but where dynamic sampling dropped
+    flat groups (every rank's), it sampled those and the batch's other groups."""
     train, evals = read(run)
+    with open(os.path.join(run, 'config.json')) as f:
+        config = json.load(f)
+    P, G = config['prompts_per_step'], config['num_generations']
     drawn = [0]
     for r in train:
         groups = r['dropped_groups'] + P * (1 - r['flat_groups']) if r['dropped_groups'] else P
@@ -35,7 +39,7 @@ def smooth(values, window=10):
             for i in range(len(values))]
 
 
-def main(path, runs, P=32, G=8):
+def main(path, runs):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -46,7 +50,7 @@ def main(path, runs, P=32, G=8):
         parent, name = os.path.normpath(run).split(os.sep)[-2:]
         label, line = f'{name} ({parent})', '--' if name in seen else '-'
         seen.append(name)
-        train, evals, drawn = curves(run, P, G)
+        train, evals, drawn = curves(run)
         color = COLORS.get(name)
         x = [drawn[e['iter']] / 1e3 for e in evals]
         ax_acc.plot(x, [e['eval/greedy_acc'] for e in evals], 'o' + line, color=color, label=label)
