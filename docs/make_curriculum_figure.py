@@ -43,7 +43,10 @@ def main(path, runs):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    fig, (ax_acc, ax_flat, ax_pool) = plt.subplots(1, 3, figsize=(15, 4))
+    # the pool's panel only where a run has a pool
+    pooled = any('pool/active' in read(run)[0][-1] for run in runs)
+    fig, axes = plt.subplots(1, 2 + pooled, figsize=(5 * (2 + pooled), 4))
+    ax_acc, ax_flat, ax_pool = (*axes, None)[:3]
     seen = []
     for run in runs:
         # a run is named by its folder and the one above it (a seed's): a second run of a name is dashed
@@ -71,8 +74,9 @@ def main(path, runs):
                title='accuracy against samples drawn')
     ax_flat.set(xlabel='iteration', ylabel='share of flat groups (10-iteration mean)',
                 title='flat groups in the batch trained on')
-    ax_pool.set(xlabel='iteration', ylabel='prompts', title="the curriculum's pool")
-    save(fig, (ax_acc, ax_flat, ax_pool), path, dpi=110)
+    if pooled:
+        ax_pool.set(xlabel='iteration', ylabel='prompts', title="the curriculum's pool")
+    save(fig, axes, path, dpi=110)
 
 
 if __name__ == '__main__':
