@@ -180,6 +180,11 @@ def to_params(state, optimizer):
     return state
 
 
+# The ranks that train, which the collectives below run over: all of them (None), or
+# with sampler ranks the group of the others (split), of which a sampler rank is no member.
+group = None
+
+
 def init(device):
     """Under torchrun (RANK set), join the process group, gloo on the CPU, nccl for CUDA tensors (with gloo for the
     small CPU ones), and take this rank's GPU. Returns (distributed, rank, world_size, device), device 'auto' made
@@ -187,7 +192,8 @@ def init(device):
     global group
     torch.backends.cuda.matmul.allow_tf32 = True  # CUDA float32 matmuls in TF32
     torch.backends.cudnn.allow_tf32 = True
-    # every rank trains until split() says otherwise (a test runs train.py many times in one process)
+    # every rank trains until split() says otherwise (a test runs train.py many times in
+    # one process)
     group = None
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -201,25 +207,22 @@ def init(device):
     return True, dist.get_rank(), dist.get_world_size(), device
 
 
-# The ranks that train, which the collectives below run over: all of them (None), or, with sampler ranks, the group
-# of the others (split); a sampler rank takes part in none of them.
-group = None
-
-
 def split(sampler_ranks):
-    """The last sampler_ranks ranks only sample (lib/stream.py), the first ones train: their collectives (gradients,
-    sums, votes, barriers) go over a group of their own from now on. Every rank calls it. Returns (the trainers'
-    number, the group over which trainer 0 sends the samplers the weights)."""
+    """The last sampler_ranks ranks only sample (lib/stream.py), the first ones train:
+    their collectives (gradients, sums, votes, barriers) go over a group of their own
+    from now on. Every rank calls it. Returns (the trainers' number, the group over
+    which trainer 0 sends the samplers the weights)."""
     global group
     world = dist.get_world_size()
     trainers = world - sampler_ranks
     # new_group is a collective: every rank makes both, in the same order
     train = dist.new_group(list(range(trainers)))
-    # the samplers wait in it through the trainers' warm start and evaluations: longer than gloo's 30 minutes
+    # the samplers wait in it through the trainers' warm start and evaluations, which
+    # can take longer than gloo's 30 minutes
     weights = dist.new_group([0, *range(trainers, world)], timeout=timedelta(days=1))
     if dist.get_rank() >= trainers:
-        # a stop is the trainers' to decide: they save and tell the samplers (a rollout a signal cut short could
-        # be one they must save)
+        # a stop is the trainers' to decide: they save, then tell the samplers (a
+        # rollout a signal cut short could be one they must save)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     group = train
@@ -227,8 +230,8 @@ def split(sampler_ranks):
 
 
 def gather(t):
-    """Concatenate a tensor across the training ranks along dim 0 (identity on one process). Every rank holds equal
-    rows."""
+    """Concatenate a tensor across the training ranks along dim 0 (identity on one
+    process). Every rank holds equal rows."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -270,8 +273,8 @@ def peer_gone(error):
 
 
 def from_rank0(obj):
-    """Rank 0's obj on every rank, samplers included (a small picklable value; the ranks' own one when not
-    distributed)."""
+    """Rank 0's obj on every rank, samplers included (a small picklable value; the ranks'
+    own one when not distributed)."""
     if not dist.is_initialized():
         return obj
     box = [obj]

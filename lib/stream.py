@@ -47,15 +47,9 @@ class Stream:
         checkpoint's tensors (checkpoint.load_stream). link: with sampler ranks, this
         trainer's Link: a sampler rank draws the rollouts instead."""
         self.sample, self.K, self.seed_of = sample, max_staleness, seed_of
-        self.rollouts = rollouts_of(saved or {})
+        self.rollouts = in_flight(saved, max_staleness)
         # the iterations the sampler rank was asked for and has not sent yet, in order
         self.link, self.coming = link, []
-        for j, (groups, _) in self.rollouts.items():
-            version = groups[0]['version']
-            if j - version > max_staleness:
-                raise ConfigError(
-                    f"the checkpoint holds iteration {j}'s groups, sampled by version "
-                    f"{version}: resume with max_staleness >= {j - version}")
 
     def take(self, it):
         """The groups and info iteration it trains on, with their staleness in info['stale'],

@@ -168,14 +168,19 @@ def test_two_ranks_each_with_its_queue_resume_bitwise(policy, tmp_path):
     assert p.returncode != 0 and 'resume it on as many (torchrun --nproc_per_node=2)' in p.stdout + p.stderr
 
 
+SPLIT_K1 = dict(sampler_ranks=1, max_staleness=1)
+
+
 @pytest.mark.parametrize('overrides, world_size, message', [
     (dict(max_staleness=-1), 1, "max_staleness=-1 must be >= 0"),
-    (dict(stale_correction='is'), 1, "unknown stale_correction 'is'; choose one of decoupled, tis, none"),
-    (dict(sampler_ranks=1), 2, r"sampler_ranks=1 samples while the trainers update, .* set max_staleness >= 1"),
-    (dict(sampler_ranks=1, max_staleness=1), 1, r"launch with torchrun --nproc_per_node > 1 \(this run has 1\)"),
-    (dict(sampler_ranks=2, max_staleness=1), 3, "sampler_ranks=2 is more than the 1 ranks that train"),
-    (dict(sampler_ranks=1, max_staleness=1, parallel='fsdp'), 2, "use parallel='ddp'"),
-    (dict(sampler_ranks=1, max_staleness=1, prompts_per_step=4), 4,
+    (dict(stale_correction='is'), 1,
+     "unknown stale_correction 'is'; choose one of decoupled, tis, none"),
+    (dict(sampler_ranks=1), 2,
+     r"sampler_ranks=1 samples while the trainers update, .* set max_staleness >= 1"),
+    (SPLIT_K1, 1, r"launch with torchrun --nproc_per_node > 1 \(this run has 1\)"),
+    (dict(SPLIT_K1, sampler_ranks=2), 3, "sampler_ranks=2 is more than the 1 ranks that train"),
+    (dict(SPLIT_K1, parallel='fsdp'), 2, "use parallel='ddp'"),
+    (dict(SPLIT_K1, prompts_per_step=4), 4,
      "prompts_per_step=4 is not divisible by the 3 ranks that train")])
 def test_bad_stale_settings_are_refused_in_one_line(overrides, world_size, message, tmp_path):
     from configurator import check_config, configure
@@ -338,7 +343,8 @@ def test_a_sampler_rank_samples_what_one_process_would(policy, one_process, tmp_
     split_run(SPLIT + [f'--init_from={policy}', f'--out_dir={tmp_path}/split'], tmp_path)
     same_run(one_process, tmp_path / 'split')
     rows = [json.loads(line) for line in open(tmp_path / 'split' / 'metrics.jsonl')]
-    assert len(rows) == 6 and all('time/wait_groups' in r and 'time/wait_weights' in r for r in rows)
+    waits = ('time/wait_groups', 'time/wait_weights')
+    assert len(rows) == 6 and all(k in r for r in rows for k in waits)
     # the sampler's rollouts, not one a trainer drew: the one-process run has no wait
     assert 'time/wait_weights' not in json.loads(open(one_process / 'metrics.jsonl').readline())
     line = stream.line(rows[-1])
