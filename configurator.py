@@ -278,8 +278,9 @@ def check_split(c, world_size, distributed):
           f"sampler_ranks={N} samples while the trainers update, which needs groups "
           f"sampled versions ahead: set max_staleness >= 1")
     _need(distributed and world_size > N,
-          f"sampler_ranks={N} leaves the first ranks of torchrun to train: launch "
-          f"with torchrun --nproc_per_node > {N} (this run has {world_size})")
+          f"sampler_ranks={N}: the last {N} of torchrun's ranks sample, the others "
+          f"train; launch with torchrun --nproc_per_node > {N} (this run has "
+          f"{world_size} rank(s))")
     _need(N <= world_size - N,
           f"sampler_ranks={N} is more than the {world_size - N} ranks that train, and "
           f"a sampler rank serves whole trainer ranks: the others would idle; use at "

@@ -98,7 +98,7 @@ class Stream:
         end), then trainer 0 tells them to exit with code."""
         if self.link:
             self.fetch(math.inf)
-            self.link.send_weights(version=-1, code=code)
+            self.link.close(code)
 
     def tensors(self, it):
         """What a checkpoint before iteration it keeps: the rollouts in flight for iterations
@@ -185,18 +185,28 @@ class Link:
         self.model, self.group = model, group
         self.sends = dist.get_rank() == 0
         self.source = sampler_of(dist.get_rank(), sampler_ranks)
+        # trainer 0's broadcasts under way, with their buffers, which must live until they end
+        self.sending = []
 
     def send_weights(self, version, code=0):
-        """Trainer 0: version's weights, or (version -1) the exit code the samplers stop
-        with. The broadcast waits for the samplers to be done with the rollouts they were
-        drawing."""
+        """Trainer 0: start sending version's weights (a copy, so the update can go on), or
+        (version -1) the exit code the samplers stop with. The samplers take them in order,
+        each when done with the rollouts of the version before: the trainers wait only for
+        the groups they need, which versions up to K iterations older drew."""
         if not self.sends:
             return
-        dist.broadcast(torch.tensor([version, code]), src=0, group=self.group)
+        buffers = [torch.tensor([version, code])]
         if version >= 0:
-            data = torch.cat([p.detach().reshape(-1).view(torch.uint8)
-                              for p in trainable(self.model)])
-            dist.broadcast(data, src=0, group=self.group)
+            buffers.append(torch.cat([p.detach().reshape(-1).view(torch.uint8)
+                                      for p in trainable(self.model)]))
+        works = [dist.broadcast(b, src=0, group=self.group, async_op=True) for b in buffers]
+        self.sending = unfinished(self.sending) + [(works, buffers)]
+
+    def close(self, code):
+        """Trainer 0: tell the samplers to exit with code, and wait until they have taken
+        every version."""
+        self.send_weights(version=-1, code=code)
+        wait(self.sending)
 
     def receive(self):
         """The next rollout the sampler rank sent: {iteration: (groups, info)}."""
@@ -224,6 +234,19 @@ def send(tensors, dst):
     data = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
     buffers = torch.tensor([len(header), len(data)]), header, data
     return [dist.isend(b, dst=dst) for b in buffers], buffers
+
+
+def unfinished(sending):
+    """The sends (works, buffers) under way: the buffers of the others are free."""
+    return [(works, buffers) for works, buffers in sending
+            if not all(w.is_completed() for w in works)]
+
+
+def wait(sending):
+    """Until the sends (works, buffers) end."""
+    for works, _ in sending:
+        for w in works:
+            w.wait()
 
 
 def receive_weights(model, group):
@@ -290,12 +313,9 @@ def serve(sample, *, model, group, sampler_ranks, max_staleness, seed_of, saved)
                 held[r].add(j)
                 waited = 0.0
         held = {r: {j for j in js if j >= version} for r, js in held.items()}
-        # the buffers of sends the trainers received are free
-        sending = [s for s in sending if not all(w.is_completed() for w in s[0])]
+        sending = unfinished(sending)
     # the trainers receive every rollout before they stop the samplers
-    for works, _ in sending:
-        for w in works:
-            w.wait()
+    wait(sending)
     parallelism.end(code)
 
 

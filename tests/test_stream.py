@@ -177,7 +177,7 @@ SPLIT_K1 = dict(sampler_ranks=1, max_staleness=1)
      "unknown stale_correction 'is'; choose one of decoupled, tis, none"),
     (dict(sampler_ranks=1), 2,
      r"sampler_ranks=1 samples while the trainers update, .* set max_staleness >= 1"),
-    (SPLIT_K1, 1, r"launch with torchrun --nproc_per_node > 1 \(this run has 1\)"),
+    (SPLIT_K1, 1, r"launch with torchrun --nproc_per_node > 1 \(this run has 1 rank"),
     (dict(SPLIT_K1, sampler_ranks=2), 3, "sampler_ranks=2 is more than the 1 ranks that train"),
     (dict(SPLIT_K1, parallel='fsdp'), 2, "use parallel='ddp'"),
     (dict(SPLIT_K1, prompts_per_step=4), 4,
