@@ -55,10 +55,10 @@ class Stream:
         """The groups and info iteration it trains on, with their staleness in info['stale'],
         after sampling ahead, with the weights as they are now (version it), the iterations
         up to it + K not in flight yet (K + 1 of them at the start, then one)."""
-        since = time.perf_counter()
         self.rollouts = {j: r for j, r in self.rollouts.items() if j >= it}
         if self.link:
             self.link.send_weights(version=it)
+        since = time.perf_counter()
         for j in range(it, it + self.K + 1):
             if j in self.rollouts or j in self.coming:
                 continue

@@ -353,10 +353,10 @@ def test_a_sampler_rank_samples_what_one_process_would(policy, one_process, tmp_
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
 def test_a_stop_under_sampler_ranks_resumes_bitwise(policy, one_process, tmp_path):
-    """SIGTERM to the trainer while it takes iteration 3, after it sent the samplers version 3
-    (which then draws iteration 5, a rollout the checkpoint must not keep): the checkpoint
-    before iteration 3 holds iterations 3 and 4's groups, the sampler rank exits with the
-    trainer's code, and the printed command resumes to the one-process run, bitwise."""
+    """SIGTERM to the trainer as it takes iteration 3, which it finishes taking: it sends the
+    sampler version 3, which draws iteration 5, a rollout the checkpoint must not keep. The
+    checkpoint before iteration 3 holds iterations 3 and 4's groups, the sampler rank exits
+    with the trainer's code, and the printed command resumes to the one-process run, bitwise."""
     (tmp_path / 'term.py').write_text(DIES.format(
         where="stream.Stream, 'take', lambda self, it: it == 3", rank=0, signal='SIGTERM'))
     # no checkpoint but the stop's (and the last)
