@@ -306,12 +306,12 @@ def test_the_measurement_script_runs_and_draws_at_toy_size():
 SPLIT = TINY + ['--max_staleness=2', '--sampler_ranks=1']
 
 
-def split_run(args, tmp_path, wrapper=None, name='split.json'):
+def split_run(args, tmp_path, wrapper=None):
     """train.py under torchrun on 2 ranks, through tests/multi_run.py, or as
     `torchrun wrapper train.py ARGS` (check=False: the run may fail)."""
     two = TORCHRUN + ['--standalone', '--nproc_per_node=2']
     if not wrapper:
-        return launch([args], tmp_path, two, name=name)
+        return launch([args], tmp_path, two, name='split.json')
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
     return subprocess.run([*two, str(wrapper), 'train.py', *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
