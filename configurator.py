@@ -165,7 +165,7 @@ def check_config(c, world_size, distributed=False):
         sft_batch_size=1, max_resample_rounds=0, warmup_iters=0,
         ref_sync_every=0, max_bad_steps=1, n_layer=1, n_head=1, n_embd=1,
         block_size=2, vocab_size=0, grad_clip=0, weight_decay=0,
-        peak_flops=0, lora_rank=0, tool_workers=1, max_staleness=0,
+        peak_flops=0, lora_rank=0, tool_workers=1, max_staleness=0, sampler_ranks=0,
         curriculum_patience=1, curriculum_rest=1)
     why = dict(
         num_generations="; GRPO learns from differences between the completions "
@@ -191,13 +191,16 @@ def check_config(c, world_size, distributed=False):
     _need(c['parallel'] != 'fsdp' or distributed,
           "parallel='fsdp' shards over torchrun's processes: launch with "
           "torchrun (--nproc_per_node=1 for one GPU), or use parallel='ddp'")
+    check_split(c, world_size, distributed)
+    # the ranks that train: with sampler ranks, the others
+    world_size -= c['sampler_ranks']
     G, P = c['num_generations'], c['prompts_per_step']
     _need(c['max_rows'] == 0 or c['max_rows'] >= G,
           f"max_rows={c['max_rows']} must be 0 (all rows at once) or "
           f">= num_generations={G}: a prompt's {G} rows are seated together")
     _need(P % world_size == 0,
-          f"prompts_per_step={P} is not divisible by the {world_size} ranks; "
-          f"make it a multiple of {world_size}")
+          f"prompts_per_step={P} is not divisible by the {world_size} ranks "
+          f"that train; make it a multiple of {world_size}")
     # completions each rank holds per rollout
     rows = P // world_size * G
     spg, mbs = c['steps_per_generation'], c['micro_batch_size']
@@ -264,6 +267,28 @@ def check_config(c, world_size, distributed=False):
     _need(not held or c['init_from'] == 'resume' or c['overwrite'],
           f"out_dir='{c['out_dir']}' holds another run ({', '.join(held)}); "
           f"{resume}name another out_dir, or say overwrite=True to replace it")
+
+def check_split(c, world_size, distributed):
+    """sampler_ranks = N (lib/stream.py): the last N of torchrun's ranks only sample, K
+    versions ahead of the others, which train."""
+    N = c['sampler_ranks']
+    if not N:
+        return
+    _need(c['max_staleness'] >= 1,
+          f"sampler_ranks={N} samples while the trainers update, which needs groups "
+          f"sampled versions ahead: set max_staleness >= 1")
+    _need(distributed and world_size > N,
+          f"sampler_ranks={N}: the last {N} of torchrun's ranks sample, the others "
+          f"train; launch with torchrun --nproc_per_node > {N} (this run has "
+          f"{world_size} rank(s))")
+    _need(N <= world_size - N,
+          f"sampler_ranks={N} is more than the {world_size - N} ranks that train, and "
+          f"a sampler rank serves whole trainer ranks: the others would idle; use at "
+          f"most {world_size - N}")
+    _need(c['parallel'] == 'ddp',
+          f"sampler_ranks={N} sends the whole weights to the samplers, which "
+          f"parallel='fsdp' never holds on one rank: use parallel='ddp'")
+
 
 def check_distillation(c):
     """On-policy distillation's settings (docs/distillation.md): a teacher that

@@ -83,6 +83,7 @@ temperature = 1.0  # the sampler's, and the loss's log-probs': the ratio is of o
 top_k, top_p = None, None  # sample among the top_k likeliest, the fewest holding top_p
 max_rows = 0  # rows decoded at once at most, a group seated as one leaves; 0 = all
 max_staleness = 0  # K > 0: train on groups sampled K versions ago (lib/stream.py)
+sampler_ranks = 0  # N > 0 (torchrun, K > 0): the last N ranks only sample, the others train
 stale_correction = 'decoupled'  # their objective: 'decoupled' (AReaL), 'tis', 'none'
 truncate_logprobs = True  # top_k/top_p: train on q, what sampled; False: the full softmax
 mask_truncated_completions = False  # DAPO: truncated completions do not count in the loss
@@ -165,6 +166,10 @@ device_type, master = 'cuda' if 'cuda' in device else 'cpu', rank == 0
 sft_iters = sft.default_iters(init_from) if sft_iters is None else sft_iters
 # and the loss's settings, and the sampler's
 check_config({k: globals()[k] for k in config}, world_size, distributed)
+# sampler_ranks: the last ranks only sample; world_size counts the others (lib/stream.py)
+to_samplers = None
+if sampler_ranks:
+    world_size, to_samplers = parallelism.split(sampler_ranks)
 state = None
 if init_from == 'resume':
     state = checkpoint.load_state(out_dir, parallel, world_size)
@@ -217,6 +222,14 @@ if lora_rank:
 bf16 = device_type == 'cuda' and dtype == 'bfloat16'
 model, raw_model = parallelism.wrap(model, device=device, fsdp=fsdp, bf16=bf16,
                                     compile=compile, cuda_graphs=cuda_graphs)
+# K > 0: sampling runs K iterations ahead of training, rollouts in flight (lib/stream.py);
+# a sampler rank samples for the trainers until they stop it, then exits
+ahead = stream.start(
+    functools.partial(rollout, raw_model, train_rows=train_rows, cfg=cfg, enc=enc,
+                      reward_fns=reward_fns, reward_weights=reward_weights),
+    model=raw_model, rank=rank, cfg=cfg, seed_of=functools.partial(prompt_seed, seed),
+    saved=lambda r: state and checkpoint.load_stream(state['dir'], r, world_size),
+    group=to_samplers) if max_staleness else None
 # on-policy distillation's teacher: frozen, in its own dtype; under FSDP sharded
 # as the policy is (rank 0 reads it), else a whole copy on each rank
 teacher_model = None
@@ -291,9 +304,12 @@ def stop_if_signalled(it):
         if it is not None and bad_in_row == 0 and it != saved_it:
             save(it)
         if master:
-            print(checkpoint.stopped_message(sig, it, out_dir, world_size), flush=True)
+            print(checkpoint.stopped_message(sig, it, out_dir, world_size + sampler_ranks),
+                  flush=True)
         if master and wandb:
             wandb.finish()
+        if ahead:
+            ahead.close(128 + sig)
         parallelism.end(128 + sig)
 
 
@@ -326,13 +342,6 @@ else:
     ref_model = parallelism.frozen_copy(
         raw_model, device=device, dtype=param_dtype, bf16=bf16,
         saved=os.path.join(state['dir'], 'ref') if state else None)
-# K > 0: sampling runs K iterations ahead of training, rollouts in flight (lib/stream.py)
-ahead = stream.Stream(
-    functools.partial(rollout, raw_model, train_rows=train_rows, rank=rank, cfg=cfg,
-                      enc=enc, reward_fns=reward_fns, reward_weights=reward_weights),
-    max_staleness=max_staleness, seed_of=lambda j: prompt_seed(seed, j, rank),
-    saved=state and checkpoint.load_stream(state['dir'], rank, world_size),
-) if max_staleness else None
 # the curriculum's pool of prompts: the checkpoint's, or a fresh one
 pool = None
 if curriculum:
@@ -483,4 +492,6 @@ for it in range(iter_start, max_iters + 1):
 
 if master and wandb:
     wandb.finish()
+if ahead:
+    ahead.close(0)
 parallelism.end()

@@ -12,6 +12,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -82,8 +83,10 @@ def wrap(model, *, device, fsdp, bf16, compile, cuda_graphs=False):
         model = torch.compile(model)  # the training forward, i.e. the log-prob path
         # generate's step, sampling included: one graph, except under FSDP, whose hooks around each block break it
         raw.decode = torch.compile(raw.decode, fullgraph=not fsdp)
-    if dist.is_initialized() and not fsdp:
-        model = DDP(model, device_ids=[torch.device(device).index] if on_cuda else None)
+    # not on a sampler rank (split), which is in no group of trainers
+    if dist.is_initialized() and not fsdp and dist.get_rank(group) >= 0:
+        model = DDP(model, device_ids=[torch.device(device).index] if on_cuda else None,
+                    process_group=group)
     return model, raw
 
 
@@ -197,12 +200,21 @@ def to_params(state, optimizer):
     return state
 
 
+# The ranks that train, which the collectives below run over: all of them (None), or
+# with sampler ranks the group of the others (split), of which a sampler rank is no member.
+group = None
+
+
 def init(device):
     """Under torchrun (RANK set), join the process group, gloo on the CPU, nccl for CUDA tensors (with gloo for the
     small CPU ones), and take this rank's GPU. Returns (distributed, rank, world_size, device), device 'auto' made
     'cuda' or 'cpu'."""
+    global group
     torch.backends.cuda.matmul.allow_tf32 = True  # CUDA float32 matmuls in TF32
     torch.backends.cudnn.allow_tf32 = True
+    # every rank trains until split() says otherwise (a test runs train.py many times in
+    # one process)
+    group = None
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'cpu'
     if int(os.environ.get('RANK', -1)) == -1:
@@ -215,20 +227,43 @@ def init(device):
     return True, dist.get_rank(), dist.get_world_size(), device
 
 
+def split(sampler_ranks):
+    """The last sampler_ranks ranks only sample (lib/stream.py), the first ones train:
+    their collectives (gradients, sums, votes, barriers) go over a group of their own
+    from now on. Every rank calls it. Returns (the trainers' number, the group over
+    which trainer 0 sends the samplers the weights)."""
+    global group
+    world = dist.get_world_size()
+    trainers = world - sampler_ranks
+    # new_group is a collective: every rank makes both, in the same order
+    train = dist.new_group(list(range(trainers)))
+    # the samplers wait in it through the trainers' warm start and evaluations, which
+    # can take longer than gloo's 30 minutes
+    weights = dist.new_group([0, *range(trainers, world)], timeout=timedelta(days=1))
+    if dist.get_rank() >= trainers:
+        # a stop is the trainers' to decide: they save, then tell the samplers (a
+        # rollout a signal cut short could be one they must save)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    group = train
+    return trainers, weights
+
+
 def gather(t):
-    """Concatenate a tensor across ranks along dim 0 (identity on one process). Every rank holds equal rows."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    """Concatenate a tensor across the training ranks along dim 0 (identity on one
+    process). Every rank holds equal rows."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts)
 
 
 def all_sum(t):
-    """Sum a tensor over ranks, in a copy (identity on one process)."""
+    """Sum a tensor over the training ranks, in a copy (identity on one process)."""
     t = t.clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
     return t
 
 
@@ -258,7 +293,8 @@ def peer_gone(error):
 
 
 def from_rank0(obj):
-    """Rank 0's obj on every rank (a small picklable value; the ranks' own one when not distributed)."""
+    """Rank 0's obj on every rank, samplers included (a small picklable value; the ranks'
+    own one when not distributed)."""
     if not dist.is_initialized():
         return obj
     box = [obj]
@@ -267,8 +303,9 @@ def from_rank0(obj):
 
 
 def barrier():
+    """Wait for every training rank."""
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def end(code=0):
@@ -331,11 +368,11 @@ def stopping():
 
 
 def stop_requested():
-    """The signal any rank got since catch_stop_signals (0: none), the same on every rank: every
-    rank must call it at the same point."""
+    """The signal any training rank got since catch_stop_signals (0: none), the same on every
+    one: every one must call it at the same point."""
     sig = torch.tensor(asked['signal'])
     if dist.is_initialized():
-        dist.all_reduce(sig, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=group)
     return sig.item()
 
 

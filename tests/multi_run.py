@@ -22,10 +22,23 @@ sys.path.insert(0, root)
 from lib import parallelism  # noqa: E402 (the root is on the path only now)
 
 end = parallelism.end
+
+
+class Ended(Exception):
+    """A run's end: the next one starts (a sampler rank's run ends inside train.py)."""
+
+
+def ended(code=0):
+    """As on one process, the group staying: exit with a code that is not 0, else end the run."""
+    if code:
+        sys.exit(code)
+    raise Ended
+
+
 if 'RANK' in os.environ:  # train.py's own init and end become no-ops on the group made here
     dist.init_process_group(backend='gloo')
     dist.init_process_group = lambda *args, **kwargs: None
-    parallelism.end = lambda code=0: sys.exit(code) if code else None  # as on one process: the group stays
+    parallelism.end = ended
 for run in json.load(open(sys.argv[1])):
     args = run['args'] if isinstance(run, dict) else run
     if isinstance(run, dict) and run.get('diverge') and os.environ.get('RANK') == '1':
@@ -38,6 +51,9 @@ for run in json.load(open(sys.argv[1])):
             return out
         torch.optim.AdamW.step = nudged
     sys.argv = [os.path.join(root, 'train.py'), *args]
-    runpy.run_path(sys.argv[0], run_name='__main__')
+    try:
+        runpy.run_path(sys.argv[0], run_name='__main__')
+    except Ended:
+        pass
 if 'RANK' in os.environ:
     end()  # the group made here; parallelism.end says why the process skips the interpreter's shutdown

@@ -80,7 +80,7 @@ def test_k0_is_todays_run_bitwise(policy, tmp_path, monkeypatch):
     stale_correction is that run, bitwise: metrics and checkpoint."""
     def untouched(*args, **kwargs):
         raise AssertionError("the stream was used with max_staleness=0")
-    for name in ('Stream', 'line', 'rollouts_of'):
+    for name in ('Stream', 'start', 'line', 'rollouts_of'):
         monkeypatch.setattr(stream, name, untouched)
     monkeypatch.setattr(loss, 'stale_objective', untouched)
     args = BASE + ['--max_iters=4', '--num_iterations=2', f'--init_from={policy}', '--sft_iters=0']
@@ -168,29 +168,40 @@ def test_two_ranks_each_with_its_queue_resume_bitwise(policy, tmp_path):
     assert p.returncode != 0 and 'resume it on as many (torchrun --nproc_per_node=2)' in p.stdout + p.stderr
 
 
-@pytest.mark.parametrize('overrides, message', [
-    (dict(max_staleness=-1), "max_staleness=-1 must be >= 0"),
-    (dict(stale_correction='is'), "unknown stale_correction 'is'; choose one of decoupled, tis, none")])
-def test_bad_stale_settings_are_refused_in_one_line(overrides, message, tmp_path):
+SPLIT_K1 = dict(sampler_ranks=1, max_staleness=1)
+
+
+@pytest.mark.parametrize('overrides, world_size, message', [
+    (dict(max_staleness=-1), 1, "max_staleness=-1 must be >= 0"),
+    (dict(stale_correction='is'), 1,
+     "unknown stale_correction 'is'; choose one of decoupled, tis, none"),
+    (dict(sampler_ranks=1), 2,
+     r"sampler_ranks=1 samples while the trainers update, .* set max_staleness >= 1"),
+    (SPLIT_K1, 1, r"launch with torchrun --nproc_per_node > 1 \(this run has 1 rank"),
+    (dict(SPLIT_K1, sampler_ranks=2), 3, "sampler_ranks=2 is more than the 1 ranks that train"),
+    (dict(SPLIT_K1, parallel='fsdp'), 2, "use parallel='ddp'"),
+    (dict(SPLIT_K1, prompts_per_step=4), 4,
+     "prompts_per_step=4 is not divisible by the 3 ranks that train")])
+def test_bad_stale_settings_are_refused_in_one_line(overrides, world_size, message, tmp_path):
     from configurator import check_config, configure
     from test_config import DEFAULTS
     c = dict(configure(DEFAULTS, []), out_dir=str(tmp_path), **overrides)
     with pytest.raises(ValueError, match=message):
-        check_config(c, world_size=1)
+        check_config(c, world_size=world_size, distributed=world_size > 1)
 
 
-# train.py under torchrun, rank 1 killed (SIGKILL, nothing it can catch) where `when` holds on
-# a call of module.name's
+# train.py under torchrun, a rank sent a signal (SIGKILL: nothing it can catch) where `when`
+# holds on a call of module.name's
 DIES = """
 import os, runpy, signal, sys
 import rollout
-from lib import checkpoint
+from lib import checkpoint, stream
 
 def dies_in(module, name, when):
     real = getattr(module, name)
     def wrapped(*args, **kwargs):
-        if os.environ['RANK'] == '1' and when(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ['RANK'] == '{rank}' and when(*args, **kwargs):
+            os.kill(os.getpid(), signal.{signal})
         return real(*args, **kwargs)
     setattr(module, name, wrapped)
 
@@ -217,7 +228,7 @@ def test_a_rank_that_dies_stops_the_run_in_one_line_and_loses_no_checkpoint(poli
     args = TINY + ['--max_staleness=2']
     two = TORCHRUN + ['--standalone', '--nproc_per_node=2']
     launch([args + [f'--init_from={policy}', f'--out_dir={tmp_path}/straight']], tmp_path, two)
-    (tmp_path / 'dies.py').write_text(DIES.format(where=MOMENTS[moment]))
+    (tmp_path / 'dies.py').write_text(DIES.format(where=MOMENTS[moment], rank=1, signal='SIGKILL'))
     died = tmp_path / 'died'
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
     p = subprocess.run([*two, str(tmp_path / 'dies.py'), 'train.py', *args,
@@ -289,3 +300,96 @@ def test_the_measurement_script_runs_and_draws_at_toy_size():
     assert all(len(json.loads(row[1])) == 3 for row in table), p.stdout
     pytest.importorskip('matplotlib')
     assert 'wrote ' in p.stdout and 'async_run.png' in p.stdout
+
+
+# sampler_ranks = 1 on 2 ranks: rank 1 samples, rank 0 trains (issue 57 item 2)
+SPLIT = TINY + ['--max_staleness=2', '--sampler_ranks=1']
+
+
+def split_run(args, tmp_path, wrapper=None):
+    """train.py under torchrun on 2 ranks, through tests/multi_run.py, or as
+    `torchrun wrapper train.py ARGS` (check=False: the run may fail)."""
+    two = TORCHRUN + ['--standalone', '--nproc_per_node=2']
+    if not wrapper:
+        return launch([args], tmp_path, two, name='split.json')
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
+    return subprocess.run([*two, str(wrapper), 'train.py', *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope='module')
+def one_process(policy, tmp_path_factory):
+    """The run a split must be: K = 2 on one process, 6 iterations, each checkpointed."""
+    out = tmp_path_factory.mktemp('one-process')
+    launch([TINY + ['--max_staleness=2', f'--init_from={policy}', f'--out_dir={out}']], out)
+    return out
+
+
+def same_run(a, b):
+    """Metrics (timings aside) and the last checkpoint's weights and optimizer state, byte for
+    byte."""
+    assert metric_lines(a) == metric_lines(b)
+    latest = json.load(open(a / 'latest'))
+    assert latest == json.load(open(b / 'latest'))
+    for file in ('model.safetensors', 'optimizer.safetensors'):
+        assert (a / latest / file).read_bytes() == (b / latest / file).read_bytes(), file
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
+def test_a_sampler_rank_samples_what_one_process_would(policy, one_process, tmp_path):
+    """Rank 1 only samples, with each version's weights rank 0 sends it, and rank 0 trains on
+    what it sends back: the metrics and the checkpoints of the one-process stream, bitwise. The
+    trainer's wait for its groups and the sampler's for its weights are logged."""
+    split_run(SPLIT + [f'--init_from={policy}', f'--out_dir={tmp_path}/split'], tmp_path)
+    same_run(one_process, tmp_path / 'split')
+    rows = [json.loads(line) for line in open(tmp_path / 'split' / 'metrics.jsonl')]
+    waits = ('time/wait_groups', 'time/wait_weights')
+    assert len(rows) == 6 and all(k in r for r in rows for k in waits)
+    # the sampler's rollouts, not one a trainer drew: the one-process run has no wait
+    assert 'time/wait_weights' not in json.loads(open(one_process / 'metrics.jsonl').readline())
+    line = stream.line(rows[-1])
+    assert ' | idle: trainer ' in line and '%, sampler ' in line, line
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
+def test_a_stop_under_sampler_ranks_resumes_bitwise(policy, one_process, tmp_path):
+    """SIGTERM to the trainer as it takes iteration 3, which it finishes taking: it sends the
+    sampler version 3, which draws iteration 5, a rollout the checkpoint must not keep. The
+    checkpoint before iteration 3 holds iterations 3 and 4's groups, the sampler rank exits
+    with the trainer's code, and the printed command resumes to the one-process run, bitwise."""
+    (tmp_path / 'term.py').write_text(DIES.format(
+        where="stream.Stream, 'take', lambda self, it: it == 3", rank=0, signal='SIGTERM'))
+    # no checkpoint but the stop's (and the last)
+    args, out = SPLIT + ['--save_interval=0'], tmp_path / 'stopped'
+    p = split_run(args + [f'--init_from={policy}', f'--out_dir={out}'], tmp_path,
+                  wrapper=tmp_path / 'term.py')
+    assert 'stopped by SIGTERM before iteration 3' in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    # both ranks exit with 128 + SIGTERM (torchrun's report), neither with a traceback
+    codes = [line.split()[2] for line in p.stderr.splitlines() if 'exitcode  :' in line]
+    assert codes == [str(128 + signal.SIGTERM)] * 2, p.stderr[-3000:]
+    assert 'train.py", line' not in p.stderr, p.stderr[-3000:]
+    command = p.stdout.split('resume with:\n')[1].splitlines()[0].split()
+    assert command[:3] == ['torchrun', '--standalone', '--nproc_per_node=2'], command
+    assert '--sampler_ranks=1' in command and command[-1] == '--init_from=resume', command
+    held = load_file(out / 'ckpt-000003' / 'stream.rank0.safetensors')
+    assert sorted({int(k.split('.')[0]) for k in held}) == [3, 4]
+    split_run(args + ['--init_from=resume', f'--out_dir={out}'], tmp_path)
+    same_run(one_process, out)
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
+def test_a_sampler_rank_that_dies_stops_the_trainer_in_one_line(policy, tmp_path):
+    """The sampler rank killed while it draws iteration 5 (after checkpoint 3, with version 3):
+    the trainer stops with one line naming checkpoint 3, which stays the latest: checkpoint 4
+    would need that rollout."""
+    (tmp_path / 'dies.py').write_text(DIES.format(
+        where="rollout, 'rollout', lambda *args, it, **kwargs: it == 5", rank=1, signal='SIGKILL'))
+    died = tmp_path / 'died'
+    p = split_run(SPLIT + [f'--init_from={policy}', f'--out_dir={died}'], tmp_path,
+                  wrapper=tmp_path / 'dies.py')
+    assert p.returncode != 0
+    said = [line for line in p.stderr.splitlines() if line.startswith('error: rank 0 stopped')]
+    assert len(said) == 1 and 'another rank is gone (' in said[0], p.stderr[-3000:]
+    assert f"the last checkpoint, {died}/ckpt-000003, is whole" in said[0]
+    assert 'gloo/transport' not in p.stderr
+    assert json.load(open(died / 'latest')) == 'ckpt-000003'
