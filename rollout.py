@@ -299,7 +299,7 @@ def make_batch(model, ref_model, groups, info, rank, cfg, reward_weights, teache
     info.update(zip(columns, everyone.T.contiguous()),
                 scores=everyone[:, len(columns):].contiguous())
     # dynamic sampling: each rank resampled its own flat groups; the log counts all
-    if cfg.dynamic_sampling and cfg.world_size > 1:
+    if cfg.world_size > 1 and cfg.dynamic_sampling:
         dropped = torch.tensor(float(info['dropped_groups']), device=cfg.device)
         info['dropped_groups'] = round(all_sum(dropped).item())
     # GDPO: each function on its own
