@@ -218,16 +218,24 @@ MOMENTS = {
 }
 
 
+@pytest.fixture(scope='module')
+def two_ranks(policy, tmp_path_factory):
+    """The run a stopped one must resume to: K = 2 on 2 ranks, 6 iterations."""
+    out = tmp_path_factory.mktemp('two-ranks')
+    launch([TINY + ['--max_staleness=2', f'--init_from={policy}', f'--out_dir={out}/straight']], out,
+           TORCHRUN + ['--standalone', '--nproc_per_node=2'])
+    return out / 'straight'
+
+
 @pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
 @pytest.mark.parametrize('moment', MOMENTS)
-def test_a_rank_that_dies_stops_the_run_in_one_line_and_loses_no_checkpoint(policy, tmp_path,
-                                                                              moment):
+def test_a_rank_that_dies_stops_the_run_in_one_line_and_loses_no_checkpoint(policy, two_ranks,
+                                                                              tmp_path, moment):
     """K = 2 on 2 ranks, rank 1 killed mid-iteration: rank 0 stops with one line (no traceback)
     naming the last checkpoint, before the iteration, whole (never one rank 1 did not finish),
     and resuming from it on 2 ranks is the run never stopped."""
     args = TINY + ['--max_staleness=2']
     two = TORCHRUN + ['--standalone', '--nproc_per_node=2']
-    launch([args + [f'--init_from={policy}', f'--out_dir={tmp_path}/straight']], tmp_path, two)
     (tmp_path / 'dies.py').write_text(DIES.format(where=MOMENTS[moment], rank=1, signal='SIGKILL'))
     died = tmp_path / 'died'
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
@@ -244,8 +252,8 @@ def test_a_rank_that_dies_stops_the_run_in_one_line_and_loses_no_checkpoint(poli
     assert json.load(open(died / 'latest')) == 'ckpt-000003'
     launch([args + ['--init_from=resume', f'--out_dir={died}']], tmp_path, two, name='resume.json')
     for file in ('model.safetensors', 'optimizer.safetensors'):
-        assert max_diff(weights(tmp_path / 'straight', file), weights(died, file)) == 0
-    assert metric_lines(tmp_path / 'straight')[3:] == metric_lines(died)[-3:]
+        assert max_diff(weights(two_ranks, file), weights(died, file)) == 0
+    assert metric_lines(two_ranks)[3:] == metric_lines(died)[-3:]
 
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='gloo on Linux')
