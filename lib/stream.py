@@ -216,13 +216,21 @@ class Link:
         dist.recv(header, src=self.source)
         data = torch.empty(int(sizes[1]), dtype=torch.uint8)
         dist.recv(data, src=self.source)
-        tensors, at = {}, 0
-        for name, dtype, shape in json.loads(header.numpy().tobytes()):
-            t = torch.empty(shape, dtype=getattr(torch, dtype))
+        names = json.loads(header.numpy().tobytes())
+        tensors = {name: torch.empty(shape, dtype=getattr(torch, dtype))
+                   for name, dtype, shape in names}
+        fill(tensors.values(), data)
+        return rollouts_of(tensors)
+
+
+def fill(tensors, data):
+    """Copy the bytes data into tensors, one after the other, as the sender laid them out."""
+    at = 0
+    with torch.no_grad():
+        for t in tensors:
             n = t.numel() * t.element_size()
             t.view(-1).view(torch.uint8).copy_(data[at:at + n])
-            tensors[name], at = t, at + n
-        return rollouts_of(tensors)
+            at += n
 
 
 def send(tensors, dst):
@@ -260,12 +268,7 @@ def receive_weights(model, group):
         size = sum(p.numel() * p.element_size() for p in params)
         data = torch.empty(size, dtype=torch.uint8, device=params[0].device)
         dist.broadcast(data, src=0, group=group)
-        at = 0
-        with torch.no_grad():
-            for p in params:
-                n = p.numel() * p.element_size()
-                p.view(-1).view(torch.uint8).copy_(data[at:at + n])
-                at += n
+        fill(params, data)
     return version, code
 
 
